@@ -1,0 +1,286 @@
+"""N+M topology benchmark: tokens/s, MFU and idle fraction per role, plan's prediction vs measured.
+
+    # on 2x H200 (the lead): 1+1 with the Qwen3-8B shape (random weights, nothing downloaded)
+    python benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --steps 60
+    # one padded shape (one compile, pure steady state): add --data.num_buckets=1
+    # correctness check on a CPU (tiny model, gloo)
+    python benchmarks/topology_bench.py --config tiny-cpu --topology 1+1 --steps 8 --device cpu
+
+Steps: (1) the peak matmul rate of this device (bf16 on GPU, fp32 on CPU), measured;
+(2) ``python -m training plan --json`` (the split advisor's probe) -> predicted tokens/s of
+the topology; (3) the real job under torchrun with ``pipeline.balance_window_s`` small;
+(4) from its events.jsonl, after ``--warmup-steps`` (compile): measured tokens/s (drafter
+step events), idle fraction per role (``balance`` events: wait_s / window_s), MFU per role.
+
+FLOPs (useful work only; the loss's checkpoint recompute is not counted):
+  target forward per real token  = 2 * decoder params + causal attention 2 * L * h * hd * T
+  drafter fwd+bwd per batch      = 3 * (fc on every token + per block query token: 2 * layer
+                                   params * layers + attention over min(window, T/2) + lm_head 2*d*V)
+MFU = achieved FLOP/s per rank / measured peak; ``mfu`` over wall time, ``mfu_busy`` over the
+role's busy time. Prints one JSON line (last line of stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from training.config import RunConfig, load_config  # noqa: E402
+from training.events import read_events  # noqa: E402
+
+
+def peak_matmul_flops(device: str, size: int, iters: int) -> float:
+    """Measured dense matmul FLOP/s (bf16 on CUDA, fp32 on CPU)."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * iters / (time.perf_counter() - started)
+
+
+def shape(config: RunConfig) -> dict[str, int]:
+    """The target's dimensions: from the config (tiny/random) or the model folder's config.json."""
+    m = config.model
+    if m.kind == "pretrained":
+        raw = json.loads((Path(m.path).expanduser() / "config.json").read_text())
+        raw = raw.get("text_config", raw)
+        heads = raw["num_attention_heads"]
+        return {
+            "d": raw["hidden_size"],
+            "layers": raw["num_hidden_layers"],
+            "heads": heads,
+            "kv": raw.get("num_key_value_heads", heads),
+            "hd": raw.get("head_dim") or raw["hidden_size"] // heads,
+            "inter": raw["intermediate_size"],
+            "vocab": raw["vocab_size"],
+        }
+    return {
+        "d": m.hidden_size,
+        "layers": m.num_hidden_layers,
+        "heads": m.num_attention_heads,
+        "kv": m.num_key_value_heads,
+        "hd": m.head_dim,
+        "inter": m.intermediate_size,
+        "vocab": m.vocab_size,
+    }
+
+
+def layer_params(s: dict[str, int]) -> int:
+    attn = s["d"] * s["heads"] * s["hd"] * 2 + s["d"] * s["kv"] * s["hd"] * 2
+    return attn + 3 * s["d"] * s["inter"]
+
+
+def target_flops(s: dict[str, int], tokens: int, sequences: int, padded: int) -> float:
+    """Forward FLOPs of the target decoder on one batch (real tokens; causal attention)."""
+    mean_len = tokens / max(sequences, 1)
+    dense = 2 * layer_params(s) * s["layers"] * tokens
+    attention = 2 * s["layers"] * s["heads"] * s["hd"] * mean_len * tokens  # QK^T + AV, causal half
+    return dense + attention
+
+
+def drafter_flops(config: RunConfig, s: dict[str, int], tokens: int, sequences: int, padded: int) -> float:
+    """Forward + backward FLOPs of one drafter step on one batch."""
+    dc = config.drafter
+    n_layers_in = dc.num_target_layers if not dc.target_layer_ids else len(dc.target_layer_ids)
+    mean_len = tokens / max(sequences, 1)
+    queries = sequences * min(dc.num_anchors, padded) * dc.block_size
+    fc = 2 * n_layers_in * s["d"] * s["d"] * sequences * padded
+    dense = 2 * layer_params(s) * dc.num_layers * queries
+    attn = 0.0
+    for i in range(dc.num_layers):
+        ctx = mean_len / 2 if i in dc.full_attention_layers else min(dc.sliding_window, mean_len / 2)
+        attn += 4 * s["heads"] * s["hd"] * (ctx + dc.block_size) * queries
+    head = 2 * s["d"] * s["vocab"] * queries
+    return 3 * (fc + dense + attn + head)
+
+
+def run_plan(args: argparse.Namespace, env: dict[str, str], overrides: list[str]) -> dict[str, Any]:
+    gpus = sum(int(x) for x in args.topology.split("+"))
+    argv = [sys.executable, "-m", "training", "plan", "--config", args.config, "--gpus", str(gpus), "--json"]
+    argv += ["--batches", str(args.plan_batches), "--warmup", str(args.plan_warmup), *overrides]
+    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_job(args: argparse.Namespace, env: dict[str, str], overrides: list[str], run_dir: Path) -> float:
+    nproc = sum(int(x) for x in args.topology.split("+"))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    argv += ["-m", "training", "train", "--config", args.config, "--run-dir", str(run_dir)]
+    argv += ["--topology", args.topology, f"--train.steps={args.steps}", "--train.log_every=1"]
+    argv += [f"--pipeline.balance_window_s={args.window}", "--checkpoint.every=0", "--eval.num_prompts=0"]
+    argv += [*overrides]
+    started = time.monotonic()
+    subprocess.run(argv, cwd=REPO, env=env, check=True, stdout=sys.stderr, stderr=sys.stderr)
+    return time.monotonic() - started
+
+
+def summarize(
+    events: list[dict[str, Any]],
+    config: RunConfig,
+    topology: str,
+    warmup: int,
+    peak: float,
+    compiled: bool = True,
+) -> dict[str, Any]:
+    n, m = (int(x) for x in topology.split("+"))
+    s = shape(config)
+    steps = [e for e in events if e["event"] == "step" and e["role"] == "drafter"]
+    # Steady state: after --warmup-steps AND, when compiled, after every padded shape (bucket)
+    # has been trained once (each new shape compiles on the drafter).
+    shapes = {e["padded_length"] for e in steps}
+    seen: set[int] = set()
+    for e in sorted(steps, key=lambda e: (e["step"], e["rank"])) if compiled else []:
+        seen.add(e["padded_length"])
+        if seen == shapes:
+            warmup = max(warmup, e["step"])
+            break
+    warm = [e for e in steps if e["step"] > warmup]
+    if not warm:
+        raise SystemExit("no step events after the warm-up: raise --steps or use --data.num_buckets=1")
+    t0 = max(e["ts"] for e in steps if e["step"] == warmup) if warmup else min(e["ts"] for e in steps)
+    t1 = max(e["ts"] for e in warm)
+    seconds = max(t1 - t0, 1e-9)
+    tokens = sum(e["tokens"] for e in warm)
+    t_flops = sum(target_flops(s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
+    d_flops = sum(drafter_flops(config, s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
+    roles: dict[str, Any] = {}
+    for role, ranks, flops in (("target", n, t_flops), ("drafter", m, d_flops)):
+        windows = [e for e in events if e["event"] == "balance" and e["role"] == role and e["ts"] > t0]
+        window_s = sum(e["window_s"] for e in windows)
+        busy_s = sum(e["busy_s"] for e in windows)
+        wait_s = sum(e["wait_s"] for e in windows)
+        busy = busy_s / window_s if window_s else None  # windows of all ranks of the role
+        mfu = flops / ranks / seconds / peak
+        roles[role] = {
+            "ranks": ranks,
+            "idle_fraction": wait_s / window_s if window_s else None,
+            "busy_fraction": busy,
+            "mfu": mfu,
+            "mfu_busy": mfu / busy if busy else None,
+            "tflops_per_rank": flops / ranks / seconds / 1e12,
+        }
+    step_times: list[float] = []
+    for rank in {e["rank"] for e in warm}:
+        stamps = sorted(e["ts"] for e in warm if e["rank"] == rank)
+        step_times += [b - a for a, b in itertools.pairwise(stamps)]
+    return {
+        "warmup_steps_used": warmup,
+        "shapes": len(shapes),
+        "measured_tokens_per_s": tokens / seconds,
+        "measured_steps": len(warm) // max(m, 1),
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "roles": roles,
+    }
+
+
+def append_results(summary: dict[str, Any], argv: list[str]) -> None:
+    """A block in benchmarks/RESULTS.md: date, machine, command, the numbers."""
+    import datetime as dt
+    import platform
+
+    roles = summary["roles"]
+
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
+    lines = [
+        f"## topology {summary['topology']} ({summary['config']}) — "
+        f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M')} UTC",
+        "",
+        f"- machine: {platform.node()}, {os.cpu_count()} CPUs, device {summary['device']}; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        f"- command: `python benchmarks/topology_bench.py {' '.join(argv)}`",
+        f"- measured {summary['measured_tokens_per_s']:,.0f} tok/s over {summary['measured_steps']} steps "
+        f"(after {summary['warmup_steps_used']} warm-up steps, {summary['shapes']} shapes); "
+        f"plan predicted {summary['predicted_tokens_per_s']:,.0f} tok/s "
+        f"(error {pct(summary['prediction_error'])}; plan's best split {summary['plan_best']})",
+        f"- peak matmul {summary['peak_matmul_tflops']:.2f} TFLOP/s (measured)",
+    ]
+    for role, r in roles.items():
+        lines.append(
+            f"- {role} x{r['ranks']}: MFU {pct(r['mfu'])} (while busy {pct(r['mfu_busy'])}), "
+            f"idle {pct(r['idle_fraction'])}, {r['tflops_per_rank']:.3f} TFLOP/s per rank"
+        )
+    path = REPO / "benchmarks" / "RESULTS.md"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write("\n" + "\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="qwen3-8b-h200")
+    parser.add_argument("--topology", default="1+1")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out (compile, caches)")
+    parser.add_argument("--window", type=float, default=5.0, help="balance window seconds")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--plan-batches", type=int, default=4)
+    parser.add_argument("--plan-warmup", type=int, default=3)
+    parser.add_argument(
+        "--matmul-size", type=int, default=0, help="peak probe size (default 8192 GPU, 1024 CPU)"
+    )
+    parser.add_argument("--run-dir", default="", help="keep the job's run dir here (default: a temp dir)")
+    parser.add_argument("--append-results", action="store_true", help="add a block to benchmarks/RESULTS.md")
+    args, overrides = parser.parse_known_args()
+    overrides = list(overrides)
+    if args.device == "cpu":
+        overrides.append("--model.device=cpu")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    config = load_config(args.config, overrides)
+    size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
+    peak = peak_matmul_flops(args.device, size, 50 if args.device == "cuda" else 5)
+    plan = run_plan(args, env, overrides)
+    n, m = (int(x) for x in args.topology.split("+"))
+    rates = plan["rates"]
+    predicted = min(n * rates["target_tokens_per_s"], m * rates["drafter_tokens_per_s"])
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="topology-bench-"))
+    wall = run_job(args, env, overrides, run_dir)
+    mode = config.compile.enabled
+    compiled = mode == "on" or (mode == "auto" and args.device == "cuda")
+    events = read_events(run_dir / "events.jsonl")
+    result = summarize(events, config, args.topology, args.warmup_steps, peak, compiled)
+    measured = result["measured_tokens_per_s"]
+    summary = {
+        "bench": "topology",
+        "config": args.config,
+        "topology": args.topology,
+        "device": plan["rates"]["device"],
+        "peak_matmul_tflops": peak / 1e12,
+        "plan_rates": rates,
+        "plan_best": f"{plan['best']['targets']}+{plan['best']['drafters']}",
+        "predicted_tokens_per_s": predicted,
+        "prediction_error": (predicted - measured) / measured if measured else None,
+        "job_wall_s": wall,
+        "run_dir": str(run_dir),
+        **result,
+    }
+    if args.append_results:
+        append_results(summary, sys.argv[1:])
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The task boundary: ``fleet_task`` (errors -> one line + exit code) and target selection.
+
+Every Fabric task in ``tasks.py`` is a ``@fleet_task``. Inside, a task picks its targets with
+:func:`single_target` (tasks that change a target) or :func:`on_targets` (read-only tasks, which
+also accept ``FLEET_TARGET=all`` and then run on every target in parallel, one ``Target`` per
+thread, output grouped by target). A ``FleetError`` raised anywhere below is caught here, once,
+and printed as ``fleet: <target>: <message>`` on stderr; the exit code is the error's. Anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from invoke import Context, task
+from invoke.exceptions import Exit
+
+from fleet.errors import ConfigError, FleetError
+from fleet.inventory import Inventory, TargetSpec, load_inventory, select_targets
+from fleet.target import Target, open_target
+
+F = TypeVar("F", bound=Callable[..., Any])
+MAX_PARALLEL = 16
+
+
+def repo_root() -> Path:
+    """The directory of ``tasks.py``: what ``fab deploy`` ships code from."""
+    return Path(__file__).resolve().parent.parent
+
+
+def inventory() -> Inventory:
+    """The inventory: ``$FLEET_CONFIG``, else ``fleet.toml`` next to ``tasks.py``."""
+    env = os.environ.get("FLEET_CONFIG")
+    return load_inventory(Path(env) if env else repo_root() / "fleet.toml")
+
+
+def targets_for(ctx: Context | None, read_only: bool) -> list[TargetSpec]:
+    """The targets ``FLEET_TARGET`` selects (default: the inventory's ``default_target``).
+
+    ``all`` is accepted only when ``read_only``. The whole inventory is validated first.
+    """
+    return select_targets(inventory(), allow_all=read_only)
+
+
+def error_line(err: FleetError, target: str | None = None) -> str:
+    """``fleet: <target>: <message>`` on one line (the target is not repeated if already there)."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    target = target or getattr(err, "fleet_target", None)
+    if target and not message.startswith(f"{target}:"):
+        message = f"{target}: {message}"
+    return f"fleet: {message}"
+
+
+def _tag(err: FleetError, target: str) -> None:
+    if getattr(err, "fleet_target", None) is None:
+        err.fleet_target = target  # type: ignore[attr-defined]
+
+
+def fleet_task(*args: Any, **kwargs: Any) -> Any:
+    """``@fleet_task`` / ``@fleet_task(help={...})``: an invoke task whose ``FleetError`` is one line.
+
+    The wrapped task prints ``fleet: <target>: <message>`` to stderr (no traceback) and exits with
+    ``err.exit_code`` through ``invoke.exceptions.Exit``.
+    """
+
+    def decorate(func: F) -> Any:
+        @functools.wraps(func)
+        def wrapper(ctx: Context, *a: Any, **kw: Any) -> Any:
+            try:
+                return func(ctx, *a, **kw)
+            except FleetError as err:
+                sys.stdout.flush()
+                print(error_line(err), file=sys.stderr, flush=True)
+                raise Exit(code=err.exit_code) from None
+
+        return task(**kwargs)(wrapper)
+
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return decorate(args[0])
+    if args:
+        raise TypeError("fleet_task takes keyword arguments only (those of invoke.task)")
+    return decorate
+
+
+@contextmanager
+def single_target(ctx: Context | None = None) -> Iterator[Target]:
+    """The one selected target, opened (one connection for the whole task) and closed after."""
+    (spec,) = targets_for(ctx, read_only=False)
+    with _opened(spec) as target:
+        yield target
+
+
+def on_targets(
+    ctx: Context | None,
+    work: Callable[[Target], str | None],
+    *,
+    read_only: bool = True,
+    allow_many: bool = True,
+) -> None:
+    """Run ``work`` on each selected target and print what it returns.
+
+    One target: in this thread, output printed as is. Several (``FLEET_TARGET=all``): one thread
+    and one ``Target`` per target; each target's output is printed as a block under ``== name ==``,
+    in inventory order, and every failure as its own ``fleet: <target>: ...`` line. The task then
+    fails with the exit code of the first failed target.
+    """
+    specs = targets_for(ctx, read_only=read_only)
+    if len(specs) == 1:
+        with _opened(specs[0]) as target:
+            text = work(target)
+        if text:
+            print(text.rstrip("\n"), flush=True)
+        return
+    if not allow_many:
+        raise ConfigError("this task needs one target; set FLEET_TARGET to one name, not all")
+
+    def one(spec: TargetSpec) -> str | None:
+        with _opened(spec) as target:
+            return work(target)
+
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(specs))) as pool:
+        futures = [pool.submit(one, spec) for spec in specs]
+        outcomes: list[tuple[TargetSpec, str | None, FleetError | None]] = []
+        for spec, future in zip(specs, futures, strict=True):
+            try:
+                outcomes.append((spec, future.result(), None))
+            except FleetError as err:
+                outcomes.append((spec, None, err))
+    for spec, text, _err in outcomes:
+        print(f"== {spec.name} ({spec.display}) ==")
+        if text:
+            print(text.rstrip("\n"))
+    sys.stdout.flush()
+    failed = [(spec, err) for spec, _text, err in outcomes if err is not None]
+    for spec, err in failed:
+        print(error_line(err, spec.name), file=sys.stderr, flush=True)
+    if failed:
+        raise Exit(code=failed[0][1].exit_code)
+
+
+@contextmanager
+def _opened(spec: TargetSpec) -> Iterator[Target]:
+    target = open_target(spec)
+    try:
+        yield target
+    except FleetError as err:
+        _tag(err, spec.name)
+        raise
+    finally:
+        target.close()

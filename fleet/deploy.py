@@ -1,0 +1,346 @@
+"""Versioned deploys: one tar stream -> ``releases/<id>/`` -> atomic switch of ``current`` -> prune.
+
+A deploy costs two commands on the target (two SSH round trips), both fixed scripts from
+``fleet/remote/`` run as ``sh -c <script> <name> <args...>`` (arguments positional, never interpolated):
+
+1. ``deploy_prepare.sh``: create the workdir skeleton, remove leftovers of killed deploys
+   (``releases/.tmp-*``), report the existing releases, where ``current`` points and the release of
+   a live run;
+2. ``deploy_install.sh`` with the release as one tar stream on stdin (``training/``,
+   ``remote/run.sh``, ``fleet-run.json``, ``MANIFEST.json`` last): extract into
+   ``releases/.tmp-<id>/``, check the manifest arrived, ``mv -T`` it to ``releases/<id>``, point a new
+   symlink at it under a temporary name and ``mv -T`` that onto ``current`` (one rename(2): readers
+   see the old release or the new one, never neither), then delete the releases Python chose to prune.
+
+A deploy killed or cut before that last rename leaves the previous release current and intact.
+Release ids are ``YYYYmmddTHHMMSSZ-<sha7>[-dirty]`` and sort by time; two deploys in the same second
+get distinct ids because the timestamp is bumped past the newest existing release.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import tarfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from fleet.errors import CommandFailed, DeployError
+from fleet.inventory import TargetSpec
+from fleet.layout import RUN_SESSION
+from fleet.target import Target
+
+REMOTE_DIR = Path(__file__).resolve().parent / "remote"
+RELEASE_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([0-9a-f]{7})(-dirty)?$")
+TIME_FORMAT = "%Y%m%dT%H%M%SZ"
+NO_COMMIT_SHA = "0000000"
+SHIPPED_PACKAGE = "training"
+RUN_SPEC_FILE = "fleet-run.json"
+MANIFEST_FILE = "MANIFEST.json"
+SKIP_DIRS = frozenset({"__pycache__", ".pytest_cache", ".ruff_cache"})
+SKIP_SUFFIXES = (".pyc", ".pyo")
+
+
+def remote_script(name: str) -> str:
+    """The text of a fixed script in ``fleet/remote/`` (sent as ``sh -c <text> name args...``)."""
+    return (REMOTE_DIR / name).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class GitInfo:
+    """What git says about the working tree a release is built from."""
+
+    sha: str | None  # full sha of HEAD; None outside git or before the first commit
+    dirty: bool
+    diff_sha256: str | None  # sha256 of `git diff HEAD` (None without a HEAD)
+
+    @property
+    def sha7(self) -> str:
+        return self.sha[:7] if self.sha else NO_COMMIT_SHA
+
+
+@dataclass(frozen=True)
+class Release:
+    """A release on a target: its id, absolute path and manifest (the parsed MANIFEST.json)."""
+
+    id: str
+    path: str
+    manifest: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+    @property
+    def git_sha(self) -> str | None:
+        sha = self.manifest.get("git_sha")
+        return sha if isinstance(sha, str) else None
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.manifest.get("dirty"))
+
+
+@dataclass(frozen=True)
+class RemoteState:
+    """What ``deploy_prepare.sh`` reports: the release ids present and ``current``'s link text."""
+
+    current: str | None
+    releases: tuple[str, ...]
+    live_release: str | None = None  # the release of the run live in the tmux session, if any
+
+    @property
+    def current_id(self) -> str | None:
+        return release_id_from_link(self.current)
+
+
+# --- pure helpers (unit-tested) --------------------------------------------------------------------
+
+
+def release_id_from_link(link: str | None) -> str | None:
+    """``releases/<id>`` (or an absolute path ending so) -> ``<id>``; None for anything else."""
+    if not link:
+        return None
+    name = link.rstrip("/").rsplit("/", 1)[-1]
+    return name if RELEASE_ID_RE.match(name) else None
+
+
+def make_release_id(now: dt.datetime, sha7: str, dirty: bool, existing: Iterable[str] = ()) -> str:
+    """``YYYYmmddTHHMMSSZ-<sha7>[-dirty]``, its time bumped past every existing release id.
+
+    Bumping (instead of adding a counter) keeps ids in the fixed format and sorted by time, so
+    two deploys in the same second, or a target whose clock is behind, still get a fresh id.
+    """
+    stamp = now.astimezone(dt.UTC).replace(microsecond=0, tzinfo=None)
+    newest = None
+    for rid in existing:
+        m = RELEASE_ID_RE.match(rid)
+        if m:
+            t = dt.datetime.strptime(m.group(1), TIME_FORMAT)
+            newest = t if newest is None or t > newest else newest
+    if newest is not None and stamp <= newest:
+        stamp = newest + dt.timedelta(seconds=1)
+    return f"{stamp.strftime(TIME_FORMAT)}-{sha7}{'-dirty' if dirty else ''}"
+
+
+def releases_to_prune(existing: Iterable[str], keep: int, protected: Iterable[str | None] = ()) -> list[str]:
+    """The release ids to delete so that the newest ``keep`` remain; ``protected`` are never deleted.
+
+    Only names in the release-id format are ever considered (nothing else in ``releases/`` is
+    touched). Protected releases (the current one, one a live run uses) count towards ``keep``.
+    """
+    ids = sorted((r for r in set(existing) if RELEASE_ID_RE.match(r)), reverse=True)
+    keep_set = set(ids[: max(keep, 1)]) | {p for p in protected if p}
+    return sorted(r for r in ids if r not in keep_set)
+
+
+def parse_sections(text: str, last: str | None = None) -> dict[str, str]:
+    """Split ``@@name`` sections printed by the remote scripts; ``last`` runs to the end verbatim."""
+    sections: dict[str, list[str]] = {}
+    name: str | None = None
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("@@") and line[2:].strip():
+            name = line[2:].strip()
+            sections[name] = []
+            if name == last:
+                sections[name] = lines[i + 1 :]
+                break
+            continue
+        if name is not None:
+            sections[name].append(line)
+    return {key: "\n".join(value).strip("\n") for key, value in sections.items()}
+
+
+def parse_prepare_output(text: str) -> RemoteState:
+    """Parse ``deploy_prepare.sh`` output (pure)."""
+    sec = parse_sections(text)
+    if "end" not in sec:
+        raise DeployError(f"unexpected output from the deploy preparation step: {text[-200:]!r}")
+    current = sec.get("current", "").strip() or None
+    releases = tuple(line.strip() for line in sec.get("releases", "").splitlines() if line.strip())
+    live = any(line.split()[:1] == ["0"] for line in sec.get("pane", "").splitlines())
+    live_release = None
+    if live:
+        try:
+            run = json.loads(sec.get("run_json", "") or "{}")
+        except json.JSONDecodeError:
+            run = {}
+        release = run.get("release") if isinstance(run, dict) else None
+        live_release = release if isinstance(release, str) else None
+    return RemoteState(current=current, releases=releases, live_release=live_release)
+
+
+def git_info(repo_root: Path) -> GitInfo:
+    """The HEAD sha, dirty flag and a hash of ``git diff HEAD`` (argv-only git calls)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[bytes]:
+        try:
+            return subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, check=False)
+        except FileNotFoundError:
+            return subprocess.CompletedProcess(args, 127, b"", b"git not found")
+
+    head = git("rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+    sha = head.stdout.decode().strip() if head.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=normal")
+    if status.returncode != 0:  # not a git repository at all
+        return GitInfo(sha=None, dirty=True, diff_sha256=None)
+    if sha is None:
+        return GitInfo(sha=None, dirty=True, diff_sha256=None)
+    diff = git("diff", "HEAD", "--binary")
+    diff_hash = hashlib.sha256(diff.stdout).hexdigest() if diff.returncode == 0 else None
+    return GitInfo(sha=sha, dirty=bool(status.stdout.strip()), diff_sha256=diff_hash)
+
+
+def run_spec_document(spec: TargetSpec) -> dict[str, Any]:
+    """The target's run spec as shipped in ``fleet-run.json`` (env keys only, never values)."""
+    return {
+        "target": spec.name,
+        "module": spec.run.module,
+        "config": spec.run.config,
+        "overrides": list(spec.run.overrides),
+        "env_keys": sorted(spec.run.env),
+        "env": spec.env,
+        "python": spec.layout.env_python(spec.env) if spec.env else spec.commands.python,
+        "gpus": spec.gpus,
+        "topology": str(spec.topology) if spec.topology else None,
+    }
+
+
+def _walk_package(root: Path) -> list[tuple[str, Path]]:
+    """(arcname, path) of every file of ``root`` to ship, sorted, skipping caches."""
+    files: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(SKIP_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            if path.is_file():
+                files.append((path.relative_to(root.parent).as_posix(), path))
+    return files
+
+
+def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes, mode: int, mtime: float) -> None:
+    info = tarfile.TarInfo(arcname)
+    info.size = len(data)
+    info.mode = mode
+    info.mtime = int(mtime)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def build_release_tar(
+    repo_root: Path, release_id: str, spec: TargetSpec, git: GitInfo, now: dt.datetime
+) -> tuple[bytes, dict[str, Any]]:
+    """The whole release as one uncompressed tar (in memory) and its manifest."""
+    package = repo_root / SHIPPED_PACKAGE
+    if not (package / "__init__.py").is_file():
+        raise DeployError(f"{package}: the `{SHIPPED_PACKAGE}` package is missing; run deploy from the repo")
+    entries = [*_walk_package(package), ("remote/run.sh", REMOTE_DIR / "run.sh")]
+    content = hashlib.sha256()
+    total = 0
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for arcname, path in entries:
+            data = path.read_bytes()
+            st = path.stat()
+            mode = 0o755 if arcname.endswith(".sh") or st.st_mode & 0o111 else 0o644
+            _add_bytes(tar, arcname, data, mode, st.st_mtime)
+            content.update(arcname.encode() + b"\0" + hashlib.sha256(data).digest())
+            total += len(data)
+        run_spec = json.dumps(run_spec_document(spec), indent=2, sort_keys=True).encode() + b"\n"
+        _add_bytes(tar, RUN_SPEC_FILE, run_spec, 0o644, now.timestamp())
+        manifest = {
+            "release_id": release_id,
+            "git_sha": git.sha,
+            "dirty": git.dirty,
+            "diff_sha256": git.diff_sha256,
+            "created_at": now.astimezone(dt.UTC).isoformat(timespec="seconds"),
+            "user": _user(),
+            "target": spec.name,
+            "files": len(entries),
+            "bytes": total,
+            "content_sha256": content.hexdigest(),
+        }
+        # The manifest goes last: its presence marks a complete upload (checked before the switch).
+        data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+        _add_bytes(tar, MANIFEST_FILE, data, 0o644, now.timestamp())
+    return buf.getvalue(), manifest
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+# --- remote steps ---------------------------------------------------------------------------------
+
+
+def _sh(target: Target, script: str, name: str, args: Sequence[str], what: str, **kwargs: Any) -> str:
+    """Run a fixed script from fleet/remote/ with positional args; DeployError on failure."""
+    try:
+        result = target.run(["sh", "-c", remote_script(script), name, *args], **kwargs)
+    except CommandFailed as err:
+        raise DeployError(
+            f"{target.name}: {what} failed ({err.stderr_tail or f'exit {err.command_exit_code}'}); "
+            f"the previous release is still current; check {target.spec.workdir} and retry `fab deploy`"
+        ) from None
+    return result.stdout
+
+
+def prepare(target: Target) -> RemoteState:
+    """Step 1: skeleton + leftover cleanup + state (one command)."""
+    spec = target.spec
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION]
+    out = _sh(target, "deploy_prepare.sh", "fleet-deploy-prepare", args, "preparing the deploy", timeout=120)
+    return parse_prepare_output(out)
+
+
+def tar_chunks(data: bytes, size: int = 256 * 1024) -> Iterator[bytes]:
+    """The tar stream in chunks, as sent on the install command's stdin (tests cut it half-way)."""
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def deploy(target: Target, repo_root: Path) -> Release:
+    """Build, upload and switch to a new release on ``target``; prune old ones. Returns the new one."""
+    spec = target.spec
+    layout = spec.layout
+    git = git_info(repo_root)
+    state = prepare(target)
+    now = dt.datetime.now(dt.UTC)
+    release_id = make_release_id(now, git.sha7, git.dirty, state.releases)
+    data, manifest = build_release_tar(repo_root, release_id, spec, git, now)
+    prune = releases_to_prune(
+        [*state.releases, release_id], spec.keep_releases, [release_id, state.current_id, state.live_release]
+    )
+    args = [spec.workdir, f".tmp-{release_id}", release_id, *prune]
+    # Named like Target.put_tar's command: it is the release upload (tools and tests recognise it by it).
+    what = f"installing release {release_id}"
+    _sh(target, "deploy_install.sh", "fleet-put-tar", args, what, stdin=tar_chunks(data), timeout=600)
+    return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
+
+
+def current_release(target: Target) -> Release | None:
+    """The release ``current`` points at, with its manifest; None before the first deploy."""
+    layout = target.spec.layout
+    script = 'readlink -- "$1/current" || exit 0; printf "@@manifest\\n"; cat -- "$1/current/MANIFEST.json"'
+    result = target.run(["sh", "-c", script, "fleet-current", layout.workdir], check=False)
+    sec = parse_sections("@@link\n" + result.stdout, last="manifest")
+    release_id = release_id_from_link(sec.get("link", "").strip())
+    if release_id is None:
+        return None
+    try:
+        manifest = json.loads(sec.get("manifest", "") or "{}")
+    except json.JSONDecodeError:
+        manifest = {}
+    if not isinstance(manifest, dict):
+        manifest = {}
+    return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))

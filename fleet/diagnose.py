@@ -1,0 +1,314 @@
+"""Known failure signatures of a training run -> a cause and a fix (pure: text in, data out).
+
+``diagnose(log_text, events)`` scans the raw log tail (and the ``error`` events of
+``events.jsonl``) for the failures this project exists for (docs/field-notes): the
+FX-tracing RuntimeError from compiling in threads, Dynamo's recompile limit (silent
+dense fallback), flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and
+dead ranks, an NVML driver/library mismatch, import errors (environment drift), and any
+other Python traceback. Each signature is reported once, at its first occurrence, in the
+order found in the log (the first failure is usually the root cause). The generic
+"Python traceback" diagnosis is only given when no specific signature matched.
+
+The log may be a ``tail -c`` cut: partial first line, ``\\r`` progress bars, NUL
+bytes, and torchrun's ``[rankN]:`` / ``[defaultN]:`` prefixes from interleaved ranks
+are all tolerated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One recognised failure: what happened, what to do, and the log line that shows it."""
+
+    signature: str  # stable id, e.g. "cuda-oom"
+    cause: str
+    fix: str
+    evidence: str
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "signature": self.signature,
+            "cause": self.cause,
+            "fix": self.fix,
+            "evidence": self.evidence,
+        }
+
+
+_RANK_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)+")
+_MAX_EVIDENCE = 240
+
+
+def clean_lines(text: str) -> list[str]:
+    """Log text -> lines: NULs dropped, ``\\r`` treated as a line break, rank prefixes removed."""
+    text = text.replace("\x00", "")
+    lines = []
+    for raw in re.split(r"\r\n|\r|\n", text):
+        line = _RANK_PREFIX.sub("", raw).rstrip()
+        lines.append(line)
+    return lines
+
+
+def _short(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= _MAX_EVIDENCE else line[: _MAX_EVIDENCE - 3] + "..."
+
+
+# A matcher gets the lines and the index of a line matching its trigger; it returns the diagnosis.
+Matcher = Callable[[list[str], int, re.Match[str]], Diagnosis]
+
+
+def _fx_trace(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    return Diagnosis(
+        "fx-trace-threads",
+        "torch.compile'd code was called while another thread was FX-tracing (concurrent "
+        "compilation in threads: the 'FX is tracing' flag is process-global before torch 2.14)",
+        "run one process per GPU (fleet's torchrun topology), or serially pre-warm every "
+        "(GPU, bucket) forward+backward before threads start and then set_stance('fail_on_recompile') "
+        "— `fab warm`",
+        _short(lines[i]),
+    )
+
+
+def _recompile_limit(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    limit = m.group(2)
+    return Diagnosis(
+        "recompile-limit",
+        f"Dynamo hit config.{m.group(1)} ({limit}): the function now runs uncompiled — for "
+        "flex_attention that is the dense path, which materializes the full score matrix (-> OOM)",
+        f"set torch._dynamo.config.{m.group(1)} above GPUs x length buckets and "
+        "torch._dynamo.config.fail_on_recompile_limit_hit = True so it fails loudly",
+        _short(lines[i]),
+    )
+
+
+def _flex_dense(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    return Diagnosis(
+        "flex-uncompiled",
+        "flex_attention ran without torch.compile(): the unfused path materializes the full "
+        "score matrix (hundreds of GiB at long context)",
+        "keep flex_attention compiled (torch.compile(flex_attention)); fix compile errors instead "
+        "of disabling compile; warm the cache with `fab warm`",
+        _short(lines[i]),
+    )
+
+
+_SIZE = re.compile(r"Tried to allocate ([\d.]+ ?[KMGT]i?B)")
+_GPU = re.compile(r"GPU (\d+) has a total capacity of ([\d.]+ ?[KMGT]i?B)")
+
+
+def _cuda_oom(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    line = lines[i]
+    size = _SIZE.search(line)
+    gpu = _GPU.search(line)
+    what = f"tried to allocate {size.group(1)}" if size else "allocation failed"
+    where = f" on GPU {gpu.group(1)} (capacity {gpu.group(2)})" if gpu else ""
+    huge = bool(size) and _gib(size.group(1)) > 64
+    cause = f"CUDA out of memory: {what}{where}"
+    if huge:
+        cause += " — a size like this is a dense attention/score matrix, not a tuning problem"
+        fix = (
+            "make sure flex_attention is compiled (look for a recompile-limit or 'called without "
+            "torch.compile()' line above); do not disable compile"
+        )
+    else:
+        fix = (
+            "lower the batch/bucket token budget or chunk size, or set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; check the GPU was empty at start"
+        )
+    return Diagnosis("cuda-oom", cause, fix, _short(line))
+
+
+def _gib(size: str) -> float:
+    m = re.match(r"([\d.]+) ?([KMGT])", size)
+    if not m:
+        return 0.0
+    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "G": 1.0, "T": 1024.0}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def _nccl_timeout(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    op = re.search(r"OpType=(\w+)", lines[i])
+    ran = re.search(r"ran for (\d+) milliseconds", lines[i])
+    detail = ""
+    if op:
+        detail += f" ({op.group(1)}"
+        detail += f", {int(ran.group(1)) / 1000:.0f} s)" if ran else ")"
+    return Diagnosis(
+        "nccl-timeout",
+        f"an NCCL collective timed out{detail}: a peer rank stopped participating (died, hung, "
+        "or is far slower)",
+        "look for the first rank that failed (its traceback or exit code) and fix that; if ranks are "
+        "merely slow, rebalance the topology or raise the process-group timeout",
+        _short(lines[i]),
+    )
+
+
+def _rank_died(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    block = "\n".join(lines[i : i + 30])
+    rank = re.search(r"rank\s*:\s*(\d+)", block)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+    signal = re.search(r"Signal (\d+) \((\w+)\)", block)
+    who = f"rank {rank.group(1)}" if rank else "a rank"
+    how = f" with exit code {code.group(1)}" if code else ""
+    if signal:
+        how += f" ({signal.group(2)})"
+    fix = "read that rank's own traceback above"
+    if signal and signal.group(2) == "SIGKILL":
+        fix = (
+            "SIGKILL is usually the kernel OOM killer (host RAM) or a manual kill: check `dmesg`, host memory"
+        )
+    return Diagnosis(
+        "rank-died",
+        f"torchrun: {who} died{how}; the other ranks were stopped",
+        fix,
+        _short(lines[i]),
+    )
+
+
+def _nvml(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    return Diagnosis(
+        "nvml-mismatch",
+        "NVIDIA driver/library version mismatch: the kernel driver and the user-space NVML/CUDA "
+        "libraries differ (driver upgraded without a reboot, or mismatched libs in the container)",
+        "reboot the host (or reload the nvidia modules) so the driver matches; in an LXC container "
+        "the user-space driver libraries must be the host driver's version",
+        _short(lines[i]),
+    )
+
+
+def _import(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    return Diagnosis(
+        "import-error",
+        f"{m.group(1)}: {m.group(2).strip()} — the environment is not what the release expects (env drift)",
+        "run `fab env-check` to see what drifted, then rebuild the env from its lock",
+        _short(lines[i]),
+    )
+
+
+_SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
+    (re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized"), _fx_trace),
+    (
+        re.compile(r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit\w*) \((\d+)\)"),
+        _recompile_limit,
+    ),
+    (re.compile(r"flex_attention called without torch\.compile\(\)"), _flex_dense),
+    (re.compile(r"(?:OutOfMemoryError|RuntimeError): CUDA out of memory"), _cuda_oom),
+    (re.compile(r"Watchdog caught collective operation timeout"), _nccl_timeout),
+    (re.compile(r"errors\.ChildFailedError"), _rank_died),
+    (re.compile(r"Driver/library version mismatch|NVML_ERROR_LIB_RM_VERSION_MISMATCH"), _nvml),
+    (re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import),
+)
+
+_TRACEBACK = "Traceback (most recent call last):"
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+_EXC_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\w*|[A-Za-z_][\w.]*Error)(?::|$)"
+)
+
+
+@dataclass(frozen=True)
+class Traceback:
+    """The last frame and the exception line of one Python traceback in a log."""
+
+    file: str
+    line: int
+    function: str
+    exception: str  # "KeyError: 'completion_ids'"
+
+
+def last_traceback(lines: Sequence[str]) -> Traceback | None:
+    """The last complete traceback in ``lines`` (cleaned), or None."""
+    found: Traceback | None = None
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != _TRACEBACK:
+            i += 1
+            continue
+        frame: tuple[str, int, str] | None = None
+        j = i + 1
+        while j < len(lines):
+            text = lines[j]
+            fm = _FRAME.match(text)
+            if fm:
+                frame = (fm.group(1), int(fm.group(2)), fm.group(3))
+            elif text.startswith((" ", "\t")) or not text.strip():
+                pass  # source line, caret line, or blank
+            else:
+                if _EXC_LINE.match(text) and frame:
+                    found = Traceback(frame[0], frame[1], frame[2], _short(text))
+                break
+            j += 1
+        i = j
+    return found
+
+
+def _traceback_in_rank_streams(text: str) -> Traceback | None:
+    """Interleaved ranks break a traceback apart: read each ``[rankN]:`` stream on its own."""
+    streams: dict[str, list[str]] = {}
+    for raw in re.split(r"\r\n|\r|\n", text.replace("\x00", "")):
+        m = _RANK_PREFIX.match(raw)
+        streams.setdefault(m.group(0).strip() if m else "", []).append(raw[m.end() :] if m else raw)
+    if len(streams) < 2:
+        return None
+    for _, lines in sorted(streams.items()):
+        tb = last_traceback([line.rstrip() for line in lines])
+        if tb:
+            return tb
+    return None
+
+
+def find_traceback(text: str, lines: Sequence[str] | None = None) -> Traceback | None:
+    """The last traceback of a log: per rank when ranks interleave, else in the cleaned lines."""
+    return _traceback_in_rank_streams(text) or last_traceback(clean_lines(text) if lines is None else lines)
+
+
+def diagnose(log_text: str, events: Iterable[Mapping[str, Any]] = ()) -> list[Diagnosis]:
+    """Every known failure signature in the log tail and the ``error`` events, first seen first."""
+    lines = clean_lines(log_text)
+    events = list(events)
+    for event in events:
+        if event.get("event") == "error":
+            tail = event.get("traceback_tail")
+            if isinstance(tail, str) and tail:
+                lines.extend(clean_lines(tail))
+            lines.append(f"{event.get('type', 'Error')}: {event.get('message', '')}")
+    found: list[tuple[int, Diagnosis]] = []
+    for pattern, matcher in _SIGNATURES:
+        for i, line in enumerate(lines):
+            match = pattern.search(line)
+            if match:
+                found.append((i, matcher(lines, i, match)))
+                break
+    found.sort(key=lambda pair: pair[0])
+    result = [d for _, d in found]
+    if not result:
+        tb = find_traceback(log_text, lines)
+        if tb:
+            result.append(
+                Diagnosis(
+                    "python-traceback",
+                    f"{tb.exception} (last frame: {tb.file}:{tb.line} in {tb.function})",
+                    f"open {tb.file} at line {tb.line}; `fab logs` shows the full traceback",
+                    tb.exception,
+                )
+            )
+        else:
+            errors = [e for e in events if e.get("event") == "error"]
+            if errors:
+                last = errors[-1]
+                text = f"{last.get('type', 'Error')}: {last.get('message', '')}"
+                result.append(
+                    Diagnosis(
+                        "python-traceback",
+                        _short(text),
+                        "`fab logs` shows the full log around the error",
+                        _short(text),
+                    )
+                )
+    return result

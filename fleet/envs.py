@@ -1,0 +1,579 @@
+"""Pinned uv environments on targets: provision, build, verify, switch, check, rebuild, roll back.
+
+An env is ``envs/<name>/{pyproject.toml,uv.lock}`` in this repo. On a target it is built as a venv
+at ``<workdir>/envs/<name>-<hash>`` (hash of the lock + python + platform; a rebuild of the same
+hash gets a ``-N`` suffix so the old build stays on disk), in a staging path first:
+
+1. provision: the controller's own uv binary is pushed to ``<workdir>/bin/uv`` when the target
+   has no uv of the same version; a Python matching ``requires-python`` is found (or uv installs
+   one where it can); tmux is checked (apt-get installs it in a container when missing).
+2. the env definition (pyproject + lock + ``env_probe.py``) travels as a tar;
+   ``uv venv --relocatable`` + ``uv sync --locked --no-install-project`` (copy link mode, so an edit
+   in the venv can never corrupt the shared uv cache), output streamed as progress.
+3. verify with the shipped ``env_probe.py``: imports torch when the lock has it, records its
+   version and CUDA build, ``torch.cuda.is_available()`` on GPU targets, and refuses a torch whose
+   CUDA is newer than the driver's (``nvidia-smi`` header ``CUDA Version: X.Y``).
+4. manifest ``fleet-env/manifest.json`` inside the env dir; rename into place; switch
+   ``<workdir>/envs/<name>/current`` atomically (symlink + rename); the old one becomes ``previous``.
+
+A failed build removes its staging dir and leaves ``current`` as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import platform
+import posixpath
+import re
+import secrets
+import shutil
+import subprocess
+import tarfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.env_drift import DriftReport, diff_env, parse_lock, parse_uv_check
+from fleet.errors import ConfigError, EnvError, tail_lines
+from fleet.inventory import TargetSpec
+from fleet.target import CommandResult, Target
+
+PROBE = Path(__file__).parent / "remote" / "env_probe.py"
+DEF_DIR = "fleet-env"  # inside an env dir: pyproject.toml, uv.lock, env_probe.py, manifest.json
+HASH_LEN = 16
+LINK_MODE = "copy"
+CUDA_RE = re.compile(r"CUDA Version:\s*(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class EnvDef:
+    """An env definition of this repo (``envs/<name>/``)."""
+
+    name: str
+    pyproject: bytes
+    lock: bytes
+    requires_python: str
+
+    @property
+    def lock_sha256(self) -> str:
+        return hashlib.sha256(self.lock).hexdigest()
+
+    @property
+    def has_torch(self) -> bool:
+        return "torch" in parse_lock(self.lock.decode("utf-8"), f"envs/{self.name}/uv.lock")
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """The env a target uses now (``ensure_env``/``rebuild_env``/``rollback_env`` result)."""
+
+    target: str
+    name: str
+    managed: bool
+    python: str
+    path: str = ""
+    env_hash: str = ""
+    torch: str = ""
+    torch_cuda: str = ""
+    cuda_available: bool | None = None
+    built: bool = False
+    build_seconds: float = 0.0
+
+    def describe(self) -> str:
+        """``<path>, torch 2.11.0 (CUDA 13.0)`` for messages."""
+        if not self.managed:
+            return f"unmanaged ({self.python})"
+        cuda = f" (CUDA {self.torch_cuda})" if self.torch_cuda else ""
+        return f"{self.path}, torch {self.torch}{cuda}" if self.torch else self.path
+
+
+def python_for(spec: TargetSpec) -> str:
+    """The interpreter runs on ``spec`` use: the managed env's python, else ``commands.python``."""
+    return spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+
+
+def load_env_def(repo_root: Path, name: str) -> EnvDef:
+    """Read ``envs/<name>/`` of the repo; ConfigError when it is missing or malformed."""
+    base = Path(repo_root) / "envs" / name
+    try:
+        pyproject = (base / "pyproject.toml").read_bytes()
+        lock = (base / "uv.lock").read_bytes()
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"env {name!r}: {err.filename} is missing; create envs/{name}/pyproject.toml and run "
+            f"`uv lock` there (see envs/README.md), or fix the target's env key"
+        ) from None
+    try:
+        project = tomllib.loads(pyproject.decode("utf-8")).get("project", {})
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"envs/{name}/pyproject.toml: not valid TOML ({err}); fix it") from None
+    requires = str(project.get("requires-python", "")).strip()
+    if not requires:
+        raise ConfigError(f'envs/{name}/pyproject.toml: set [project] requires-python (e.g. "==3.11.*")')
+    return EnvDef(name, pyproject, lock, requires)
+
+
+def def_tar(env_def: EnvDef) -> bytes:
+    """The tar that carries an env definition (and the probe that runs there) to a target."""
+    buf = io.BytesIO()
+    files = {
+        "pyproject.toml": env_def.pyproject,
+        "uv.lock": env_def.lock,
+        "env_probe.py": PROBE.read_bytes(),
+    }
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def env_hash(lock: bytes, interp: dict[str, Any]) -> str:
+    """Content address of a build: the lock, the exact interpreter and the platform."""
+    digest = hashlib.sha256(lock)
+    for key in ("implementation", "version", "system", "machine", "libc"):
+        digest.update(b"\0" + str(interp.get(key, "")).encode())
+    return digest.hexdigest()[:HASH_LEN]
+
+
+def driver_cuda(nvidia_smi_output: str) -> tuple[int, int] | None:
+    """The driver's CUDA version from the ``nvidia-smi`` header (``CUDA Version: 13.0``)."""
+    m = CUDA_RE.search(nvidia_smi_output)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def cuda_mismatch(torch_cuda: str, driver: tuple[int, int] | None) -> str:
+    """Why a torch built for ``torch_cuda`` cannot run on the driver, or "" when it can.
+
+    A driver runs CUDA builds up to its own major.minor (newer minors of the same major only
+    with reduced features): torch's CUDA major.minor must not exceed the driver's.
+    """
+    if not torch_cuda or driver is None:
+        return ""
+    parts = torch_cuda.split(".")
+    try:
+        built = (int(parts[0]), int(parts[1]) if len(parts) > 1 else 0)
+    except ValueError:
+        return f"cannot read torch's CUDA version {torch_cuda!r}"
+    if built > driver:
+        return (
+            f"torch is built for CUDA {built[0]}.{built[1]} but the driver supports CUDA "
+            f"{driver[0]}.{driver[1]} (nvidia-smi); lock a torch for CUDA <= {driver[0]}.{driver[1]} "
+            "(see envs/README.md) or update the driver"
+        )
+    return ""
+
+
+@functools.cache
+def controller_uv() -> tuple[str, str]:
+    """(path, version) of this machine's real uv binary (not a pyenv/asdf shell shim)."""
+    found = shutil.which("uv")
+    if found is None:
+        raise EnvError("uv is not installed on this machine; run ./bootstrap (it installs uv)")
+    path = Path(found).resolve()
+    if path.read_bytes()[:4] != b"\x7fELF":  # a shim script: ask uv itself where it lives
+        out = subprocess.run(
+            [found, "run", "--no-project", "--no-config", "--", "printenv", "UV"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode != 0 or not out.stdout.strip():
+            raise EnvError(f"{found} is a wrapper and the real uv binary was not found; set PATH to it")
+        path = Path(out.stdout.strip()).resolve()
+    version = subprocess.run([str(path), "--version"], capture_output=True, text=True, check=True)
+    return str(path), version.stdout.split()[1]
+
+
+# --- target side -------------------------------------------------------------------------------
+
+
+# Shell snippets run as `sh -c SNIPPET NAME ARGS...` (arguments never pasted into the text).
+PROVISION_SH = """\
+printf 'machine\\t%s\\n' "$(uname -m)"
+if t=$("$1" -V 2>/dev/null); then printf 'tmux\\t%s\\n' "$t"; fi
+shift
+for c in "$@"; do if v=$("$c" --version 2>/dev/null); then printf 'uv\\t%s\\t%s\\n' "$c" "$v"; fi; done
+"""
+FIND_PYTHON_SH = 'p=$("$1" python find --system --no-project "$2") || exit 3; exec "$p" -I "$3" interp'
+SYNC_SH = '"$1" venv -q --relocatable --no-project --python "$2" "$3" && shift 3 && exec "$@"'
+
+
+@dataclass(frozen=True)
+class ProvisionFacts:
+    """What the provisioning probe found on a target (``parse_provision``)."""
+
+    machine: str
+    tmux: str  # "" when missing
+    uv: dict[str, str]  # candidate path -> its version
+
+
+def parse_provision(text: str) -> ProvisionFacts:
+    """Parse PROVISION_SH output (tab-separated lines). Pure."""
+    machine, tmux, uv = "", "", {}
+    for line in text.splitlines():
+        kind, _, rest = line.partition("\t")
+        if kind == "machine":
+            machine = rest.strip()
+        elif kind == "tmux":
+            tmux = rest.strip()
+        elif kind == "uv":
+            path, _, version = rest.partition("\t")
+            words = version.split()
+            uv[path] = words[1] if len(words) > 1 else ""
+    return ProvisionFacts(machine, tmux, uv)
+
+
+class Provisioner:
+    """Finds or installs what a target needs to build envs (uv, Python, tmux)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.spec = target.spec
+        self.layout = target.spec.layout
+
+    def uv_env(self, **extra: str) -> dict[str, str]:
+        env = {
+            "UV_PYTHON_INSTALL_DIR": posixpath.join(self.layout.workdir, "python"),
+            "UV_PYTHON_DOWNLOADS": "never",
+            "UV_LINK_MODE": LINK_MODE,
+            "UV_NO_CONFIG": "1",
+            "UV_NO_PROGRESS": "1",
+            "UV_SYSTEM_CERTS": "1",  # trust the target's CA store (TLS-inspecting proxies, mirrors)
+        }
+        cache = self.spec.uv_cache or ("" if self.spec.is_local else self.layout.uv_cache)
+        if cache:  # a local target without uv_cache shares this machine's (warm) uv cache
+            env["UV_CACHE_DIR"] = cache
+        env.update(extra)
+        return env
+
+    def provision(self) -> tuple[str, str]:
+        """(uv path, tmux version) on the target: one probe, then push uv / install tmux if needed."""
+        _local, version = controller_uv()
+        argv = ["sh", "-c", PROVISION_SH, "fleet-provision", self.spec.commands.tmux]
+        argv += [self.spec.commands.uv, self.layout.uv_binary]
+        facts = parse_provision(self.target.run(argv).stdout)
+        uv = next((path for path, v in facts.uv.items() if v == version), "")
+        if not uv:
+            uv = self._push_uv(facts.machine, version)
+        return uv, facts.tmux or self._install_tmux()
+
+    def _push_uv(self, machine: str, version: str) -> str:
+        local_path, _ = controller_uv()
+        if machine != platform.machine():
+            raise EnvError(
+                f"{self.target.name}: needs uv {version} for {machine}; this machine's uv is for "
+                f"{platform.machine()}; install uv {version} there and set commands.uv"
+            )
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(local_path, arcname="uv")
+        print(f"{self.target.name}: pushing uv {version} to {self.layout.uv_binary}", flush=True)
+        self.target.put_tar(io.BytesIO(buf.getvalue()), posixpath.dirname(self.layout.uv_binary))
+        return self.layout.uv_binary
+
+    def _install_tmux(self) -> str:
+        """Install tmux with apt-get in a container; elsewhere say how."""
+        tmux, where = self.spec.commands.tmux, self.spec.display
+        if self.spec.container is None:
+            raise EnvError(
+                f"{self.target.name}: tmux is not installed on {where} (`{tmux} -V` failed); install it "
+                "(apt-get install tmux) or set commands.tmux; fleet installs it only in containers"
+            )
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "tmux"]
+        got = self.target.run_stream(install, env=env, check=False)
+        if got.exit_code != 0:
+            self.target.run_stream(["apt-get", "update", "-q"], env=env, check=False)
+            got = self.target.run_stream(install, env=env, check=False)
+        res = self.target.run([tmux, "-V"], check=False)
+        if got.exit_code != 0 or res.exit_code != 0:
+            raise EnvError(
+                f"{self.target.name}: tmux is missing in {where} and `apt-get install tmux` failed "
+                f"({tail_lines(got.stderr, 1) or 'no apt-get?'}); install it by hand"
+            )
+        return res.stdout.strip()
+
+    def python_facts(self, uv: str, env_def: EnvDef, probe: str) -> dict[str, Any]:
+        """The interpreter matching requires-python (uv installs one where it can): probe ``interp``."""
+        request = env_def.requires_python
+        argv = ["sh", "-c", FIND_PYTHON_SH, "fleet-find-python", uv, request, probe]
+        res = self.target.run(argv, env=self.uv_env(), check=False)
+        install = None
+        if res.exit_code == 3:
+            dl = self.uv_env(UV_PYTHON_DOWNLOADS="automatic")
+            install = self.target.run_stream([uv, "python", "install", request], env=dl, check=False)
+            res = self.target.run(argv, env=self.uv_env(), check=False)
+        if res.exit_code == 0:
+            return _loads(self.target, res, "interp")
+        why = tail_lines(install.stderr if install is not None else res.stderr, 1)
+        raise EnvError(
+            f"{self.target.name}: no Python matching {request!r} (envs/{env_def.name}/pyproject.toml "
+            f"requires-python) and uv could not install one ({why}); install a matching python3 there"
+        )
+
+
+def _loads(target: Target, res: CommandResult, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(res.stdout)
+    except json.JSONDecodeError:
+        raise EnvError(
+            f"{target.name}: env_probe.py {what} failed (exit {res.exit_code}): "
+            f"{tail_lines(res.stderr or res.stdout, 2)}"
+        ) from None
+    if not isinstance(data, dict):
+        raise EnvError(f"{target.name}: env_probe.py {what} printed no JSON object")
+    return data
+
+
+def _probe(target: Target, env_dir: str, *args: str, stdin: bytes | None = None) -> CommandResult:
+    """Run the probe shipped in ``env_dir`` with ``env_dir``'s own python."""
+    python = posixpath.join(env_dir, "bin", "python")
+    probe = posixpath.join(env_dir, DEF_DIR, "env_probe.py")
+    env = Provisioner(target).uv_env()
+    return target.run([python, "-I", probe, *args], env=env, check=False, stdin=stdin)
+
+
+def _info(target: Target, name: str, manifest: dict[str, Any], built: bool) -> EnvInfo:
+    return EnvInfo(
+        target=target.name,
+        name=name,
+        managed=True,
+        python=target.spec.layout.env_python(name),
+        path=str(manifest.get("path", "")),
+        env_hash=str(manifest.get("env_hash", "")),
+        torch=str(manifest.get("torch", "")),
+        torch_cuda=str(manifest.get("torch_cuda", "")),
+        cuda_available=manifest.get("cuda_available"),
+        built=built,
+        build_seconds=float(manifest.get("build_seconds", 0.0)),
+    )
+
+
+def build_env(target: Target, env_def: EnvDef, *, reuse: bool = True) -> EnvInfo:
+    """Build ``env_def`` on ``target`` and make it current; the old current becomes ``previous``.
+
+    ``reuse``: when a verified build of the same hash exists, switch to it instead of building.
+    """
+    started = time.monotonic()
+    prov = Provisioner(target)
+    layout = target.spec.layout
+    staging = posixpath.join(layout.envs, f".staging-{env_def.name}-{secrets.token_hex(4)}")
+    def_dir = posixpath.join(staging, DEF_DIR)
+    venv = posixpath.join(staging, "venv")
+    finalized = False
+    try:
+        target.put_tar(io.BytesIO(def_tar(env_def)), def_dir)
+        uv, tmux = prov.provision()
+        interp = prov.python_facts(uv, env_def, posixpath.join(def_dir, "env_probe.py"))
+        ehash = env_hash(env_def.lock, interp)
+        final_base = layout.env_dir(env_def.name, ehash)
+        if reuse:
+            res = _probe(target, final_base, "rollback", final_base, env_def.name)
+            if res.exit_code == 0:  # a verified earlier build of this hash: switch back to it
+                return _info(target, env_def.name, _loads(target, res, "rollback")["manifest"], built=False)
+        print(f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']})", flush=True)
+        sync = [uv, "sync", "--locked", "--no-install-project", "--link-mode", LINK_MODE]
+        argv = ["sh", "-c", SYNC_SH, "fleet-sync", uv, interp["executable"], venv, *sync]
+        res = target.run_stream(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
+        if res.exit_code != 0:
+            raise EnvError(
+                f"{target.name}: `uv sync --locked` of envs/{env_def.name} failed: "
+                f"{tail_lines(res.stderr, 3)}; the current env is unchanged"
+            )
+        manifest = _verify(target, env_def, venv, def_dir)
+        manifest.update(
+            env=env_def.name,
+            env_hash=ehash,
+            lock_sha256=env_def.lock_sha256,
+            python=interp["version"],
+            platform=f"{interp['system']}-{interp['machine']}-{interp['libc']}",
+            uv=uv,
+            tmux=tmux,
+            built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            build_seconds=round(time.monotonic() - started, 1),
+            verified=True,
+        )
+        probe = [posixpath.join(venv, "bin", "python"), "-I", posixpath.join(def_dir, "env_probe.py")]
+        data = json.dumps(manifest).encode()
+        res = target.run([*probe, "finalize", staging, final_base, env_def.name], stdin=data, check=False)
+        done = _loads(target, res, "finalize")
+        if res.exit_code != 0:
+            raise EnvError(f"{target.name}: the new env could not be put in place: {done.get('error')}")
+        finalized = True  # the probe removed the staging dir
+        return _info(target, env_def.name, done["manifest"], built=True)
+    finally:
+        if not finalized:
+            target.run(["rm", "-rf", "--", staging], check=False)
+
+
+def _verify(target: Target, env_def: EnvDef, venv: str, def_dir: str) -> dict[str, Any]:
+    """Run the shipped probe in the new venv; the manifest fields it yields. EnvError on failure."""
+    python = posixpath.join(venv, "bin", "python")
+    gpus = target.spec.gpus > 0
+    args = ["verify", "--dists"] + (["--torch"] if env_def.has_torch else []) + (["--cuda"] if gpus else [])
+    res = target.run([python, "-I", posixpath.join(def_dir, "env_probe.py"), *args], check=False)
+    checked = _loads(target, res, "verify")
+    if not checked.get("ok"):
+        raise EnvError(
+            f"{target.name}: the new env failed verification: {checked.get('error')}; not switched"
+        )
+    manifest: dict[str, Any] = {
+        "installed": {d["name"]: d["version"] for d in checked["dists"]["dists"]},
+        "synced_at": checked["dists"]["now"],
+        "torch": checked.get("torch", ""),
+        "torch_cuda": checked.get("torch_cuda", ""),
+    }
+    if gpus and env_def.has_torch:
+        smi = target.run([target.spec.commands.nvidia_smi], check=False)
+        driver = driver_cuda(smi.stdout) if smi.exit_code == 0 else None
+        if driver is None:
+            raise EnvError(
+                f"{target.name}: gpus = {target.spec.gpus} but `{target.spec.commands.nvidia_smi}` gave no "
+                f"CUDA version ({tail_lines(smi.stderr, 1)}); check the driver or commands.nvidia_smi"
+            )
+        manifest["driver_cuda"] = f"{driver[0]}.{driver[1]}"
+        why = cuda_mismatch(manifest["torch_cuda"], driver)
+        if why:
+            raise EnvError(f"{target.name}: envs/{env_def.name}: {why}; not switched")
+        if not checked.get("cuda_available"):
+            raise EnvError(
+                f"{target.name}: torch {manifest['torch']} in the new env cannot see the GPUs "
+                "(torch.cuda.is_available() is False); not switched"
+            )
+        manifest["cuda_available"] = True
+    return manifest
+
+
+# --- the public operations (called by tasks.py) ------------------------------------------------
+
+
+def _require_env(target: Target) -> str:
+    name = target.spec.env
+    if not name:
+        raise EnvError(
+            f'{target.name}: no managed env (env = ""; runs use commands.python); '
+            f"set targets.{target.name}.env to a directory of envs/"
+        )
+    return name
+
+
+def _check_data(target: Target, name: str, full: bool) -> dict[str, Any] | None:
+    """The probe's ``check`` output for the current env; None when there is no built env."""
+    current = target.spec.layout.env_current(name)
+    res = _probe(target, current, "check", current, *(["--full"] if full else []))
+    if res.exit_code in (126, 127) or (res.exit_code == 2 and "manifest.json" in res.stdout):
+        return None
+    if res.exit_code != 0:
+        raise EnvError(
+            f"{target.name}: the env at {current} does not run ({tail_lines(res.stderr or res.stdout, 2)}); "
+            "run `fab env-rebuild`"
+        )
+    return _loads(target, res, "check")
+
+
+def _report(target: Target, name: str, env_def: EnvDef, data: dict[str, Any], full: bool) -> DriftReport:
+    manifest = data["manifest"]
+    lock = parse_lock(env_def.lock.decode("utf-8"), f"envs/{name}/uv.lock")
+    diffs = diff_env(lock, list(manifest.get("installed", {})), data["dists"], data["modified"])
+    uv_status, uv_lines = parse_uv_check(data["uv_check"]["exit_code"], data["uv_check"]["output"])
+    notes = () if full else ("files were hashed only where changed since the build; --full hashes all",)
+    return DriftReport(
+        target=target.name,
+        env=name,
+        path=str(manifest.get("path", "")),
+        env_hash=str(manifest.get("env_hash", "")),
+        stale_lock=manifest.get("lock_sha256") != env_def.lock_sha256,
+        uv_check=uv_status,
+        uv_lines=uv_lines,
+        checked=len(data["dists"]),
+        hashed_files=int(data.get("hashed_files", 0)),
+        notes=notes,
+        **diffs,
+    )
+
+
+def check_env(target: Target, repo_root: Path, *, full: bool = False) -> DriftReport:
+    """Compare the target's current venv with ``envs/<name>/uv.lock`` (one round trip)."""
+    name = _require_env(target)
+    env_def = load_env_def(repo_root, name)
+    data = _check_data(target, name, full)
+    if data is None:
+        current = target.spec.layout.env_current(name)
+        raise EnvError(
+            f"{target.name}: env {name} is not built ({current} is missing); run `fab env-rebuild`"
+        )
+    return _report(target, name, env_def, data, full)
+
+
+def ensure_env(target: Target, repo_root: Path) -> EnvInfo:
+    """The env runs on ``target`` use: built when missing (or its lock changed); EnvError on drift."""
+    spec = target.spec
+    if not spec.env:
+        return EnvInfo(target=target.name, name="", managed=False, python=spec.commands.python)
+    env_def = load_env_def(repo_root, spec.env)
+    data = _check_data(target, spec.env, full=False)
+    if data is None or data["manifest"].get("lock_sha256") != env_def.lock_sha256:
+        info = build_env(target, env_def)
+        if info.built:
+            return info
+        data = _check_data(target, spec.env, full=False)  # an earlier build was reused: check it
+        assert data is not None
+    report = _report(target, spec.env, env_def, data, full=False)
+    if report.drift:
+        raise EnvError(
+            f"{target.name}: env {spec.env} ({report.path}) has drifted from envs/{spec.env}/uv.lock "
+            f"({report.summary()}); run `fab env-rebuild`"
+        )
+    return _info(target, spec.env, data["manifest"], built=False)
+
+
+def rebuild_env(target: Target, repo_root: Path) -> EnvInfo:
+    """Build a fresh venv next to the current one; switch only after it verified."""
+    name = _require_env(target)
+    return build_env(target, load_env_def(repo_root, name), reuse=False)
+
+
+def rollback_env(target: Target) -> EnvInfo:
+    """Make the previous env current again (the current one becomes previous)."""
+    name = _require_env(target)
+    previous = posixpath.join(target.spec.layout.envs, name, "previous")
+    res = _probe(target, previous, "rollback", previous, name)
+    if res.exit_code in (126, 127):
+        raise EnvError(f"{target.name}: env {name} has no previous build to roll back to ({previous})")
+    data = _loads(target, res, "rollback")
+    if res.exit_code != 0:
+        raise EnvError(f"{target.name}: the previous env {previous} is unusable ({data.get('error')})")
+    return _info(target, name, data["manifest"], built=False)
+
+
+def gc_envs(target: Target) -> list[str]:
+    """Remove env dirs that no ``current``/``previous`` link, release or run refers to."""
+    name = _require_env(target)
+    layout = target.spec.layout
+    res = _probe(target, layout.env_current(name), "gc", layout.workdir)
+    data = _loads(target, res, "gc")
+    if res.exit_code != 0:
+        raise EnvError(f"{target.name}: env gc failed: {data.get('error')}")
+    return list(data["removed"])
+
+
+__all__ = [
+    "DriftReport",
+    "EnvDef",
+    "EnvInfo",
+    "build_env",
+    "check_env",
+    "ensure_env",
+    "gc_envs",
+    "load_env_def",
+    "python_for",
+    "rebuild_env",
+    "rollback_env",
+]

@@ -1,0 +1,521 @@
+"""The inventory: ``fleet.toml`` (or the file named by ``FLEET_CONFIG``) -> frozen dataclasses.
+
+The whole file is validated before anything runs. Every problem becomes one
+``ConfigError`` line that names the key (``targets.<name>.<key>``), says what is
+wrong and what to write instead. Values are never interpreted by a shell later
+(commands are argv lists), so a workdir with spaces or quotes is kept literally.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from fleet.errors import ConfigError
+from fleet.layout import Layout
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+LXC_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+TOPOLOGY_RE = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
+
+TOP_KEYS = ("default_target", "targets")
+TARGET_KEYS = (
+    "host",
+    "identity_file",
+    "host_key_policy",
+    "known_hosts",
+    "container",
+    "workdir",
+    "gpus",
+    "topology",
+    "env",
+    "uv_cache",
+    "keep_releases",
+    "stall_window_s",
+    "run",
+    "commands",
+    "gpu_gate",
+)
+SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
+RUN_KEYS = ("module", "config", "overrides", "env")
+COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
+GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
+HOST_KEY_POLICIES = ("strict", "accept-new")
+
+
+@dataclass(frozen=True)
+class SshSpec:
+    """How an SSH target is reached; paths are absolute (``~`` expanded)."""
+
+    user: str
+    hostname: str
+    port: int = 22
+    identity_file: str | None = None
+    host_key_policy: Literal["strict", "accept-new"] = "strict"
+    known_hosts: str = field(default_factory=lambda: os.path.expanduser("~/.ssh/known_hosts"))
+
+    @property
+    def display(self) -> str:
+        return f"{self.user}@{self.hostname}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """The LXC container commands run in: ``pct`` with a numeric id, or ``lxc`` with a name."""
+
+    type: Literal["pct", "lxc"]
+    id: int | None = None
+    name: str | None = None
+
+    @property
+    def display(self) -> str:
+        return f"container {self.id}" if self.type == "pct" else f"container {self.name}"
+
+
+@dataclass(frozen=True)
+class Commands:
+    """Paths of the commands fleet runs on the host / in the container (tests point them at shims)."""
+
+    tmux: str = "tmux"
+    nvidia_smi: str = "nvidia-smi"
+    uv: str = "uv"
+    python: str = "python3"
+    pct: str = "pct"
+    lxc_attach: str = "lxc-attach"
+    lxc_info: str = "lxc-info"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``fab train`` starts: ``python -m <module> train --config <config> ... <overrides>``."""
+
+    module: str = "training"
+    config: str = "tiny-cpu"
+    overrides: tuple[str, ...] = ()
+    # Values may be secrets: never shown in repr, logs or errors.
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """The GPU gate before a launch (issue 4)."""
+
+    max_memory_mib: int = 64
+    expected_name: str = ""
+    timeout_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A split of the GPUs by role: ``targets`` GPUs run the frozen target, ``drafters`` train."""
+
+    targets: int
+    drafters: int
+
+    @property
+    def total(self) -> int:
+        return self.targets + self.drafters
+
+    def __str__(self) -> str:
+        return f"{self.targets}+{self.drafters}"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One validated target of the inventory."""
+
+    name: str
+    host: str
+    workdir: str
+    ssh: SshSpec | None = None
+    container: ContainerSpec | None = None
+    commands: Commands = field(default_factory=Commands)
+    gpus: int = 0
+    topology: Topology | None = None
+    env: str = ""
+    uv_cache: str = ""  # "" = <workdir>/uv-cache; else a path on the target (e.g. a shared bind mount)
+    run: RunSpec = field(default_factory=RunSpec)
+    gpu_gate: GateSpec = field(default_factory=GateSpec)
+    keep_releases: int = 5
+    stall_window_s: float = 600.0
+
+    @property
+    def is_local(self) -> bool:
+        return self.ssh is None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.workdir)
+
+    @property
+    def display(self) -> str:
+        """Where it is, for messages: ``local``, ``root@pve:22``, ``root@pve:22 container 200``."""
+        where = "local" if self.ssh is None else self.ssh.display
+        return f"{where} {self.container.display}" if self.container else where
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The whole validated inventory."""
+
+    path: Path
+    default_target: str
+    targets: Mapping[str, TargetSpec]
+
+    @property
+    def root(self) -> Path:
+        """The directory of the inventory file (relative local paths are resolved from it)."""
+        return self.path.parent
+
+
+def default_inventory_path() -> Path:
+    """``$FLEET_CONFIG`` if set, else ``./fleet.toml``."""
+    env = os.environ.get("FLEET_CONFIG")
+    return Path(env).expanduser() if env else Path.cwd() / "fleet.toml"
+
+
+def load_inventory(path: Path | None = None) -> Inventory:
+    """Read and validate the inventory at ``path`` (default: ``FLEET_CONFIG`` or ``./fleet.toml``)."""
+    path = (path if path is not None else default_inventory_path()).expanduser().absolute()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: inventory not found; create it (see README) or point FLEET_CONFIG at one"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the inventory: {err.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; save the inventory as UTF-8") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: TOML syntax error: {err}; fix that line") from None
+    return parse_inventory(data, path)
+
+
+def parse_inventory(data: Mapping[str, Any], path: Path) -> Inventory:
+    """Validate parsed TOML ``data`` (from the file at ``path``) into an :class:`Inventory`."""
+    _check_keys(data, TOP_KEYS, "", path)
+    targets_raw = data.get("targets")
+    if targets_raw is None:
+        raise ConfigError(f"{path}: no targets; add a [targets.<name>] table (see README)")
+    _check_type(targets_raw, dict, "targets", "a table of [targets.<name>]", path)
+    if not targets_raw:
+        raise ConfigError(f"{path}: `targets` is empty; add a [targets.<name>] table (see README)")
+    targets: dict[str, TargetSpec] = {}
+    for name, raw in targets_raw.items():
+        if not NAME_RE.match(name):
+            raise ConfigError(
+                f"{path}: targets.{name!r}: target names may only use letters, digits, '_' and '-'; rename it"
+            )
+        _check_type(raw, dict, f"targets.{name}", "a table", path)
+        targets[name] = _parse_target(name, raw, path)
+    default = data.get("default_target")
+    if default is None:
+        default = next(iter(targets))
+    _check_type(default, str, "default_target", "a target name string", path)
+    if default not in targets:
+        raise ConfigError(
+            f"{path}: default_target = {default!r} is not a target; use one of: {', '.join(targets)}"
+        )
+    return Inventory(path=path, default_target=default, targets=MappingProxyType(targets))
+
+
+def select_targets(inv: Inventory, name: str | None = None, *, allow_all: bool) -> list[TargetSpec]:
+    """The targets a task acts on: ``name``, else ``$FLEET_TARGET``, else the default target.
+
+    ``all`` selects every target, allowed only for read-only tasks (``allow_all``).
+    """
+    if name is None:
+        name = os.environ.get("FLEET_TARGET") or inv.default_target
+    name = name.strip()
+    if name == "all":
+        if not allow_all:
+            raise ConfigError(
+                "FLEET_TARGET=all is only allowed for read-only tasks (status, logs); "
+                f"pick one target: {', '.join(inv.targets)}"
+            )
+        return list(inv.targets.values())
+    if name not in inv.targets:
+        raise ConfigError(
+            f"FLEET_TARGET={name!r} is not in {inv.path}; use one of: {', '.join(inv.targets)}"
+            + (" or all" if allow_all else "")
+        )
+    return [inv.targets[name]]
+
+
+# --- one target ---------------------------------------------------------------------------------
+
+
+def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
+    key = f"targets.{name}"
+    _check_keys(raw, TARGET_KEYS, key, path)
+    host = raw.get("host")
+    if host is None:
+        raise ConfigError(f'{path}: {key}.host is missing; write host = "local" or host = "user@host[:port]"')
+    _check_type(host, str, f"{key}.host", '"local" or "user@host[:port]"', path)
+    ssh = None if host == "local" else _parse_ssh(key, host, raw, path)
+    if ssh is None:
+        for only in SSH_ONLY_KEYS:
+            if only in raw:
+                raise ConfigError(f"{path}: {key}.{only} only applies to SSH hosts; remove it or set host")
+    container = _parse_container(key, raw.get("container"), path)
+    workdir = _parse_workdir(key, raw.get("workdir"), ssh is None, path)
+    gpus = _int(raw, "gpus", key, path, default=0, minimum=0)
+    topology = _parse_topology(key, raw.get("topology"), gpus, path)
+    env = _str(raw, "env", key, path, default="")
+    if env and not NAME_RE.match(env):
+        raise ConfigError(
+            f"{path}: {key}.env = {env!r}: env names use letters, digits, '_', '-' (envs/<name>)"
+        )
+    return TargetSpec(
+        name=name,
+        host=host,
+        workdir=workdir,
+        ssh=ssh,
+        container=container,
+        commands=_parse_commands(key, raw.get("commands"), path),
+        gpus=gpus,
+        topology=topology,
+        env=env,
+        uv_cache=_parse_uv_cache(key, raw.get("uv_cache"), ssh is None, path),
+        run=_parse_run(key, raw.get("run"), path),
+        gpu_gate=_parse_gate(key, raw.get("gpu_gate"), path),
+        keep_releases=_int(raw, "keep_releases", key, path, default=5, minimum=1),
+        stall_window_s=_number(raw, "stall_window_s", key, path, default=600.0),
+    )
+
+
+def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSpec:
+    m = re.match(r"^(?:([^@]+)@)?(\[[0-9A-Fa-f:.]+\]|[^:@\[\]]+)(?::(\d+))?$", host)
+    hostname = m.group(2) if m else ""
+    bad = (
+        m is None
+        or (m.group(1) is not None and not USER_RE.match(m.group(1)))
+        or not (hostname.startswith("[") or HOSTNAME_RE.match(hostname))
+    )
+    if bad:
+        raise ConfigError(
+            f'{path}: {key}.host = {host!r} is not "local" or "user@host[:port]"; e.g. "root@pve.example:22"'
+        )
+    assert m is not None
+    port = int(m.group(3)) if m.group(3) else 22
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{path}: {key}.host: port {port} is out of range; use 1-65535")
+    policy = _str(raw, "host_key_policy", key, path, default="strict")
+    if policy not in HOST_KEY_POLICIES:
+        raise ConfigError(
+            f'{path}: {key}.host_key_policy = {policy!r}; use "strict" (known_hosts) or "accept-new"'
+        )
+    identity = raw.get("identity_file")
+    if identity is not None:
+        _check_type(identity, str, f"{key}.identity_file", "a path string", path)
+        identity = _local_path(identity, path)
+    known_hosts = _local_path(_str(raw, "known_hosts", key, path, default="~/.ssh/known_hosts"), path)
+    return SshSpec(
+        user=m.group(1) or getpass.getuser(),
+        hostname=hostname.strip("[]"),
+        port=port,
+        identity_file=identity,
+        host_key_policy=policy,  # type: ignore[arg-type]
+        known_hosts=known_hosts,
+    )
+
+
+def _parse_container(key: str, raw: Any, path: Path) -> ContainerSpec | None:
+    if raw is None:
+        return None
+    ckey = f"{key}.container"
+    example = '{ type = "pct", id = 200 } or { type = "lxc", name = "train" }'
+    _check_type(raw, dict, ckey, example, path)
+    _check_keys(raw, ("type", "id", "name"), ckey, path)
+    kind = raw.get("type")
+    if kind == "pct":
+        if "name" in raw:
+            raise ConfigError(f'{path}: {ckey}.name is for type "lxc"; pct containers use id = <number>')
+        cid = raw.get("id")
+        if isinstance(cid, str) and cid.strip().isdigit():
+            cid = int(cid)
+        if not isinstance(cid, int) or isinstance(cid, bool) or not 100 <= cid <= 999_999_999:
+            raise ConfigError(
+                f"{path}: {ckey}.id = {cid!r}: a pct container id is a number from 100 up; e.g. id = 200"
+            )
+        return ContainerSpec(type="pct", id=cid)
+    if kind == "lxc":
+        if "id" in raw:
+            raise ConfigError(f'{path}: {ckey}.id is for type "pct"; lxc containers use name = "<name>"')
+        cname = raw.get("name")
+        if not isinstance(cname, str) or not LXC_NAME_RE.match(cname):
+            raise ConfigError(
+                f"{path}: {ckey}.name = {cname!r}: use letters, digits, '_', '-', '.'; e.g. name = \"train\""
+            )
+        return ContainerSpec(type="lxc", name=cname)
+    raise ConfigError(f"{path}: {ckey}.type = {kind!r}; use {example}")
+
+
+def _parse_workdir(key: str, raw: Any, local: bool, path: Path) -> str:
+    wkey = f"{key}.workdir"
+    if raw is None:
+        hint = '".fleet/<name>"' if local else '"/workspace/fleet"'
+        raise ConfigError(f"{path}: {wkey} is missing; e.g. workdir = {hint}")
+    _check_type(raw, str, wkey, "a path string", path)
+    if not raw.strip() or any(c in raw for c in "\0\n\r"):
+        raise ConfigError(f"{path}: {wkey} = {raw!r} is empty or has control characters; write a plain path")
+    if local:
+        return _local_path(raw, path)
+    if not raw.startswith("/"):
+        raise ConfigError(
+            f'{path}: {wkey} = {raw!r}: a remote workdir must be absolute; e.g. workdir = "/workspace/fleet"'
+        )
+    return os.path.normpath(raw)
+
+
+def _parse_uv_cache(key: str, raw: Any, local: bool, path: Path) -> str:
+    """``uv_cache``: the uv cache dir on the target (issue 5); absolute, or ~/relative for local."""
+    if raw is None:
+        return ""
+    _check_type(raw, str, f"{key}.uv_cache", "a path string", path)
+    if not raw.strip() or any(c in raw for c in "\0\n\r"):
+        raise ConfigError(f"{path}: {key}.uv_cache = {raw!r}: write a plain path or remove the key")
+    if local:
+        return _local_path(raw, path)
+    if not raw.startswith("/"):
+        raise ConfigError(f'{path}: {key}.uv_cache = {raw!r} must be absolute; e.g. "/mnt/uv-cache"')
+    return os.path.normpath(raw)
+
+
+def _parse_topology(key: str, raw: Any, gpus: int, path: Path) -> Topology | None:
+    if raw is None:
+        return None
+    tkey = f"{key}.topology"
+    _check_type(raw, str, tkey, 'a string "N+M" (target GPUs + drafter GPUs)', path)
+    m = TOPOLOGY_RE.match(raw)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ConfigError(f'{path}: {tkey} = {raw!r} is not "N+M" with N, M >= 1; e.g. topology = "5+3"')
+    topo = Topology(targets=int(m.group(1)), drafters=int(m.group(2)))
+    if topo.total != gpus:
+        raise ConfigError(
+            f"{path}: {tkey} = {raw!r} sums to {topo.total} but {key}.gpus = {gpus}; make them agree"
+        )
+    return topo
+
+
+def _parse_commands(key: str, raw: Any, path: Path) -> Commands:
+    if raw is None:
+        return Commands()
+    ckey = f"{key}.commands"
+    _check_type(raw, dict, ckey, "a table of command paths", path)
+    _check_keys(raw, COMMAND_KEYS, ckey, path)
+    values: dict[str, str] = {}
+    for name in COMMAND_KEYS:
+        if name in raw:
+            value = _str(raw, name, ckey, path, default="")
+            if not value.strip() or any(c in value for c in "\0\n\r"):
+                raise ConfigError(f"{path}: {ckey}.{name} = {value!r}: give a command name or path")
+            values[name] = value
+    return Commands(**values)
+
+
+def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
+    if raw is None:
+        return RunSpec()
+    rkey = f"{key}.run"
+    _check_type(raw, dict, rkey, "a table", path)
+    _check_keys(raw, RUN_KEYS, rkey, path)
+    module = _str(raw, "module", rkey, path, default="training")
+    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", module):
+        raise ConfigError(f'{path}: {rkey}.module = {module!r} is not a Python module name; e.g. "training"')
+    config = _str(raw, "config", rkey, path, default="tiny-cpu")
+    if not config.strip() or any(c in config for c in "\0\n\r"):
+        raise ConfigError(f'{path}: {rkey}.config = {config!r}: give a config name or path; e.g. "tiny-cpu"')
+    overrides = raw.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f'{path}: {rkey}.overrides must be a list of strings; e.g. ["--train.steps=50"]')
+    env = raw.get("env", {})
+    _check_type(env, dict, f"{rkey}.env", 'a table of strings; e.g. { HF_HOME = "/data/hf" }', path)
+    for env_key, value in env.items():
+        if not ENV_KEY_RE.match(env_key):
+            raise ConfigError(
+                f"{path}: {rkey}.env: {env_key!r} is not an environment variable name; "
+                "use [A-Za-z_][A-Za-z0-9_]*"
+            )
+        if not isinstance(value, str):
+            # The value itself may be a secret: name only its type.
+            raise ConfigError(
+                f"{path}: {rkey}.env.{env_key} must be a string, not {_type_name(value)}; quote it"
+            )
+    return RunSpec(module=module, config=config, overrides=tuple(overrides), env=MappingProxyType(dict(env)))
+
+
+def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:
+    if raw is None:
+        return GateSpec()
+    gkey = f"{key}.gpu_gate"
+    _check_type(raw, dict, gkey, "a table", path)
+    _check_keys(raw, GATE_KEYS, gkey, path)
+    return GateSpec(
+        max_memory_mib=_int(raw, "max_memory_mib", gkey, path, default=64, minimum=0),
+        expected_name=_str(raw, "expected_name", gkey, path, default=""),
+        timeout_s=_number(raw, "timeout_s", gkey, path, default=20.0),
+    )
+
+
+# --- small checks -------------------------------------------------------------------------------
+
+
+def _local_path(value: str, path: Path) -> str:
+    """A path on this machine: ``~`` expanded, relative paths from the inventory's directory."""
+    p = Path(value).expanduser()
+    if not p.is_absolute():
+        p = path.parent / p
+    return os.path.normpath(p)
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: tuple[str, ...], where: str, path: Path) -> None:
+    for k in raw:
+        if k not in allowed:
+            full = f"{where}.{k}" if where else k
+            raise ConfigError(f"{path}: unknown key {full}; allowed here: {', '.join(allowed)}")
+
+
+def _type_name(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names.update({list: "a list", dict: "a table"})
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_type(value: Any, kind: type, key: str, expected: str, path: Path) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{path}: {key} must be {expected}, not {_type_name(value)}")
+
+
+def _str(raw: Mapping[str, Any], name: str, key: str, path: Path, *, default: str) -> str:
+    value = raw.get(name, default)
+    _check_type(value, str, f"{key}.{name}", "a string", path)
+    return value
+
+
+def _int(raw: Mapping[str, Any], name: str, key: str, path: Path, *, default: int, minimum: int) -> int:
+    value = raw.get(name, default)
+    _check_type(value, int, f"{key}.{name}", f"an integer >= {minimum}", path)
+    if value < minimum:
+        raise ConfigError(f"{path}: {key}.{name} = {value} must be >= {minimum}")
+    return value
+
+
+def _number(raw: Mapping[str, Any], name: str, key: str, path: Path, *, default: float) -> float:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{path}: {key}.{name} must be a positive number of seconds, not {value!r}")
+    return float(value)

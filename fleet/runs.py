@@ -1,0 +1,403 @@
+"""Runs in tmux: start, stop, basic status and logs of a target's one run (session ``fleet-run``).
+
+Each operation is one or two commands on the target, each a fixed script from ``fleet/remote/``
+run as ``sh -c <script> <name> <args...>`` (arguments positional, never interpolated):
+
+- ``start_run``: ``run_state.sh`` (is a run live? which release is current? the latest run id),
+  then ``run_launch.sh``: run dir, ``run.json``, ``runs/latest``, and the tmux session whose pane
+  runs the release's ``remote/run.sh`` (pid/pgid files, tee to ``train.log``, ``exit_code``).
+- ``stop_run``: ``run_stop.sh`` signals the process group run.sh recorded, only while it is the
+  live pane's process, and waits a bounded time; then one status read.
+- ``basic_status``: ``run_state.sh`` once; :func:`parse_state` (pure) turns its output into data.
+
+Secrets (``run.env`` values) travel on the launcher's stdin into ``<run-dir>/run.env`` (mode 0600),
+which run.sh sources and deletes before the trainer starts. They are never in argv (``ps``), in
+tmux's environment (``tmux show-environment``), in ``run.json`` or in the log. The run's cwd and
+``PYTHONPATH`` are the release directory ``current`` resolved to at start, so a later deploy never
+changes the code under a live run (and deploy never prunes that release).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link, remote_script
+from fleet.errors import CommandFailed, RunError, tail_lines
+from fleet.inventory import ENV_KEY_RE, TargetSpec
+from fleet.layout import RUN_SESSION
+from fleet.target import Target
+
+RunState = Literal["live", "exited", "never"]
+RUN_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([A-Za-z0-9_.-]+)$")
+TIME_FORMAT = "%Y%m%dT%H%M%SZ"
+EXIT_LIVE = 75  # run_launch.sh: a run is live
+EXIT_NO_WRAPPER = 66  # run_launch.sh: the release lacks remote/run.sh
+EXIT_EXISTS = 73  # run_launch.sh: the run directory exists
+STATUS_LINES = 12
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A run just started: what ``run.json`` records."""
+
+    run_id: str
+    release_id: str
+    run_dir: str
+    argv: tuple[str, ...]
+    started_at: str
+    target: str
+
+
+@dataclass(frozen=True)
+class BasicStatus:
+    """A target's run at a glance: live / exited (with code) / never started."""
+
+    target: str
+    state: RunState
+    run_id: str | None = None
+    release_id: str | None = None
+    exit_code: int | None = None
+    last_lines: tuple[str, ...] = ()
+    current_release: str | None = None
+    started_at: str | None = None
+    message: str = ""  # what an action did (stop_run), empty for a plain status read
+    # The tmux session is per container (one tmux server), the workdir is per target: a live pane
+    # whose pid is not this workdir's recorded pgid belongs to another workdir (or to no fleet run).
+    foreign_pid: int | None = None
+
+    def text(self) -> str:
+        """Human lines: a headline, the message, then the last log lines indented."""
+        if self.foreign_pid is not None:
+            head = (
+                f"{self.target}: tmux session {RUN_SESSION} runs a process that is not this workdir's "
+                f"run (pane pid {self.foreign_pid}); inspect it with `tmux attach -t {RUN_SESSION}`"
+            )
+        elif self.state == "never":
+            head = f"{self.target}: no run started yet (`fab train` starts one)"
+        elif self.state == "live":
+            head = f"{self.target}: run {self.run_id or '?'} is live (release {self.release_id or '?'})"
+        else:
+            code = "unknown" if self.exit_code is None else str(self.exit_code)
+            head = (
+                f"{self.target}: run {self.run_id or '?'} exited with code {code} "
+                f"(release {self.release_id or '?'})"
+            )
+        lines = [head]
+        if self.message:
+            lines.append(f"  {self.message}")
+        lines.extend(f"  | {line}" for line in self.last_lines)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["last_lines"] = list(self.last_lines)
+        return json.dumps(data, sort_keys=True)
+
+
+# --- pure helpers -----------------------------------------------------------------------------------
+
+
+def make_run_id(now: dt.datetime, config: str, latest: str | None = None) -> str:
+    """``YYYYmmddTHHMMSSZ-<config>`` (a config path becomes its file stem), bumped past ``latest``."""
+    name = PurePosixPath(config).stem if ("/" in config or config.endswith(".toml")) else config
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "run"
+    stamp = now.astimezone(dt.UTC).replace(microsecond=0, tzinfo=None)
+    m = RUN_ID_RE.match(latest or "")
+    if m:
+        newest = dt.datetime.strptime(m.group(1), TIME_FORMAT)
+        if stamp <= newest:
+            stamp = newest + dt.timedelta(seconds=1)
+    return f"{stamp.strftime(TIME_FORMAT)}-{name}"
+
+
+def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
+    """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
+
+    With a topology N+M (issue 8) the same command runs under torchrun, one process per GPU:
+    ``<python> -m training.topology --standalone --nproc-per-node=N+M -m <module> train ...
+    --topology N+M`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0;
+    gpus = 0: gloo on CPU, N+M processes)."""
+    python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+    run = spec.run
+    train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
+    if spec.topology is None:
+        return [python, *train]
+    launcher = ["-m", "training.topology", "--standalone", f"--nproc-per-node={spec.topology.total}"]
+    return [python, *launcher, *train, "--topology", str(spec.topology)]
+
+
+COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # issue 7: the compile-cache root (training.compile_cache)
+WARM_SH = 'eval "$(cat)" && exec "$@"'  # stdin: env_file_text (shlex-quoted export lines)
+
+
+def run_env(spec: TargetSpec) -> dict[str, str]:
+    """The run's environment: the compile-cache root, then ``run.env`` (which may override it)."""
+    return {COMPILE_CACHE_ENV: spec.layout.compile_cache, **spec.run.env}
+
+
+def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
+    """``<python> -m training warm --config C --cache-dir <workdir>/compile-cache [--if-needed] ...``."""
+    python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+    flag = ["--if-needed"] if if_needed else []
+    head = [python, "-m", "training", "warm", "--config", spec.run.config]
+    return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]
+
+
+def warm_cache(target: Target, *, if_needed: bool) -> bool:
+    """``fab warm`` (and ``fab train`` unless --no-warm): compile the run config's shapes into the
+    target's compile cache, in ``<workdir>/current``, output streamed. Skipped (False) when the run
+    module is not the bundled trainer. The run's env arrives on stdin as for a run (never in argv)."""
+    spec = target.spec
+    if spec.run.module != "training":
+        return False
+    argv = ["sh", "-c", WARM_SH, "fleet-warm", *warm_argv(spec, if_needed=if_needed)]
+    res = target.run_stream(argv, cwd=spec.layout.current, check=False, stdin=env_file_text(run_env(spec)))
+    if res.exit_code != 0:
+        why = tail_lines(res.stderr, 3) or f"exit {res.exit_code}"
+        raise RunError(
+            f"{target.name}: compile-cache warm-up failed ({why}); fix it (`fab deploy` if nothing is "
+            "deployed) or start without it: `fab train --no-warm`"
+        )
+    return True
+
+
+def env_file_text(env: Mapping[str, str]) -> bytes:
+    """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh."""
+    lines = []
+    for key, value in sorted(env.items()):
+        if not ENV_KEY_RE.match(key):
+            raise RunError(
+                f"run.env: {key!r} is not an environment variable name; use [A-Za-z_][A-Za-z0-9_]*"
+            )
+        lines.append(f"export {key}={shlex.quote(value)}\n")
+    return "".join(lines).encode()
+
+
+def _int_or_none(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if re.fullmatch(r"-?\d+", text) else None
+
+
+def parse_state(target: str, text: str) -> BasicStatus:
+    """Parse ``run_state.sh`` output (pure): pane, current, latest, run_json, exit_code, pgid, log."""
+    sec = parse_sections(text, last="log")
+    panes = [line.split(" ") for line in sec.get("pane", "").splitlines() if line.strip()]
+    live = any(p[0] == "0" for p in panes)
+    pane_pid = _int_or_none(panes[0][1]) if panes and len(panes[0]) > 1 else None
+    pgid = _int_or_none(sec.get("pgid", ""))
+    no_run_here = not sec.get("run_json", "").strip() and not sec.get("latest", "").strip()
+    foreign = live and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
+    run: dict[str, Any] = {}
+    if sec.get("run_json", "").strip():
+        try:
+            loaded = json.loads(sec["run_json"])
+        except json.JSONDecodeError:
+            loaded = {}
+        run = loaded if isinstance(loaded, dict) else {}
+    run_id = run.get("run_id") or (sec.get("latest", "").strip() or None)
+    log = sec.get("log", "")
+    last_lines = tuple(log.rstrip("\n").split("\n")) if log.strip() else ()
+    exit_code = _int_or_none(sec.get("exit_code", ""))
+    if exit_code is None and panes and not live:
+        fields = panes[0] + ["", "", ""]
+        status, signal = _int_or_none(fields[2]), _int_or_none(fields[3])
+        exit_code = status if status is not None else (128 + signal if signal else None)
+    state: RunState
+    if foreign:
+        return BasicStatus(
+            target=target,
+            state="live",
+            last_lines=(),
+            current_release=release_id_from_link(sec.get("current", "").strip()),
+            foreign_pid=pane_pid,
+        )
+    if live and exit_code is None:
+        state = "live"
+    elif run or sec.get("latest", "").strip():
+        state = "exited"
+    else:
+        state = "live" if live else "never"
+    return BasicStatus(
+        target=target,
+        state=state,
+        run_id=run_id if isinstance(run_id, str) else None,
+        release_id=run.get("release") if isinstance(run.get("release"), str) else None,
+        exit_code=exit_code if state == "exited" else None,
+        last_lines=last_lines,
+        current_release=release_id_from_link(sec.get("current", "").strip()),
+        started_at=run.get("started_at") if isinstance(run.get("started_at"), str) else None,
+    )
+
+
+# --- remote operations ------------------------------------------------------------------------------
+
+
+def _state(target: Target, lines: int) -> BasicStatus:
+    spec = target.spec
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, str(max(int(lines), 0))]
+    result = target.run(["sh", "-c", remote_script("run_state.sh"), "fleet-run-state", *args], timeout=60)
+    return parse_state(target.name, result.stdout)
+
+
+def basic_status(target: Target, lines: int = STATUS_LINES) -> BasicStatus:
+    """The target's run state and the last ``lines`` log lines, in one command."""
+    return _state(target, lines)
+
+
+def _live_error(target: Target, status: BasicStatus) -> RunError:
+    if status.foreign_pid is not None:
+        return RunError(
+            f"{target.name}: tmux session {RUN_SESSION} on {target.spec.display} holds a live process that "
+            f"is not a run of workdir {target.spec.workdir} (pane pid {status.foreign_pid}); one run per "
+            f"container: stop it where it was started, or inspect it with `tmux attach -t {RUN_SESSION}`"
+        )
+    return RunError(
+        f"{target.name}: run {status.run_id or '(unknown)'} is live in tmux session {RUN_SESSION}; "
+        "stop it first with `fab stop` (or wait for it to finish)"
+    )
+
+
+def start_run(target: Target, release_id: str | None = None) -> RunInfo:
+    """Start the target's run in tmux (refuses while one is live). ``release_id`` defaults to current.
+
+    With ``release_id`` given (``fab deploy train`` knows it) this is one command on the target:
+    the launcher itself refuses a live run and an existing run directory. Without it, one more
+    command first reads the state (live run, current release, latest run id).
+    """
+    spec = target.spec
+    latest: str | None = None
+    if release_id is None:
+        status = _state(target, 0)
+        if status.state == "live":
+            raise _live_error(target, status)
+        release_id = status.current_release
+        latest = status.run_id
+        if release_id is None:
+            raise RunError(f"{target.name}: nothing deployed in {spec.workdir}; run `fab deploy` first")
+    if not RELEASE_ID_RE.match(release_id):
+        raise RunError(f"{target.name}: {release_id!r} is not a release id (YYYYmmddTHHMMSSZ-sha7[-dirty])")
+    now = dt.datetime.now(dt.UTC)
+    for _attempt in range(5):
+        run_id = make_run_id(now, spec.run.config, latest)
+        info = _launch(target, release_id, run_id, now)
+        if info is not None:
+            return info
+        latest = run_id  # that run id exists already (two starts in one second): take the next
+    raise RunError(f"{target.name}: could not find a free run id under {spec.layout.runs}; retry")
+
+
+def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunInfo | None:
+    """One launch command; None when ``run_id`` exists already."""
+    spec = target.spec
+    layout = spec.layout
+    run_dir = layout.run_dir(run_id)
+    argv = training_argv(spec, run_dir)
+    info = RunInfo(
+        run_id=run_id,
+        release_id=release,
+        run_dir=run_dir,
+        argv=tuple(argv),
+        started_at=now.isoformat(timespec="seconds"),
+        target=spec.name,
+    )
+    record = {
+        "run_id": run_id,
+        "release": release,
+        "release_dir": layout.release(release),
+        "run_dir": run_dir,
+        "argv": argv,
+        "started_at": info.started_at,
+        "target": spec.name,
+        "module": spec.run.module,
+        "config": spec.run.config,
+        "env_keys": sorted(spec.run.env),
+        "tmux_session": RUN_SESSION,
+    }
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, json.dumps(record), *argv]
+    script = remote_script("run_launch.sh")
+    try:
+        target.run(
+            ["sh", "-c", script, "fleet-run-launch", *args], stdin=env_file_text(run_env(spec)), timeout=60
+        )
+    except CommandFailed as err:
+        if err.command_exit_code == EXIT_EXISTS:
+            return None
+        if err.command_exit_code == EXIT_LIVE:
+            raise _live_error(target, _state(target, 0)) from None
+        if err.command_exit_code == EXIT_NO_WRAPPER:
+            raise RunError(
+                f"{target.name}: release {release} is not on the target (or lacks remote/run.sh); "
+                "run `fab deploy` again"
+            ) from None
+        why = err.stderr_tail or f"exit {err.command_exit_code}"
+        raise RunError(f"{target.name}: could not start run {run_id}: {why}") from None
+    return info
+
+
+def stop_run(target: Target, force: bool = False, timeout_s: float = 60) -> BasicStatus:
+    """SIGTERM (``force``: SIGKILL) the run's process group, wait up to ``timeout_s``, report."""
+    spec = target.spec
+    sig = "KILL" if force else "TERM"
+    wait_s = max(1, math.ceil(timeout_s))
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, sig, str(wait_s)]
+    result = target.run(
+        ["sh", "-c", remote_script("run_stop.sh"), "fleet-run-stop", *args], timeout=wait_s + 30
+    )
+    words = result.stdout.split()
+    outcome = words[0] if words else ""
+    if outcome == "none":
+        status = _state(target, 0)
+        return _with_message(status, "no live run; nothing was stopped")
+    if outcome == "mismatch":
+        raise RunError(
+            f"{target.name}: the live pane of tmux session {RUN_SESSION} is not this workdir's run "
+            "(its pgid file is missing or different; one run per container); nothing was signalled; "
+            f"inspect it: tmux attach -t {RUN_SESSION}"
+        )
+    if outcome == "alive":
+        what = "SIGKILL" if force else "SIGTERM"
+        hint = "check the processes on the target" if force else "wait, or `fab stop --force` kills it"
+        raise RunError(f"{target.name}: the run is still running {wait_s}s after {what}; {hint}")
+    if outcome != "gone":
+        raise RunError(f"{target.name}: unexpected answer from the stop script: {result.stdout[-200:]!r}")
+    seconds = int(words[1]) / 10 if len(words) > 1 and words[1].isdigit() else 0.0
+    status = _state(target, STATUS_LINES)
+    code = "unknown" if status.exit_code is None else status.exit_code
+    what = "SIGKILL" if force else "SIGTERM"
+    return _with_message(status, f"sent {what}; the run ended {seconds:.1f}s later with exit code {code}")
+
+
+def _with_message(status: BasicStatus, message: str) -> BasicStatus:
+    return replace(status, message=message)
+
+
+def _log_path(target: Target) -> str:
+    return f"{target.spec.layout.latest_run}/train.log"
+
+
+def read_log(target: Target, lines: int = 50) -> str:
+    """The last ``lines`` lines of the latest run's train.log."""
+    result = target.run(["tail", "-n", str(max(int(lines), 0)), "--", _log_path(target)], check=False)
+    if result.exit_code != 0:
+        raise RunError(f"{target.name}: no run log at {_log_path(target)}; `fab train` starts a run")
+    return result.stdout
+
+
+def follow_log(target: Target, lines: int = 50) -> None:
+    """Stream the latest run's log (``tail -F``) to this terminal until Ctrl-C."""
+    status = _state(target, 0)
+    if status.state == "never":
+        raise RunError(f"{target.name}: no run started yet; `fab train` starts one")
+    argv = ["tail", "-n", str(max(int(lines), 0)), "-F", "--", _log_path(target)]
+    try:
+        target.run_stream(argv, check=False)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,551 @@
+"""The status model of a run: events + log tail + liveness (+ GPUs) -> one frozen RunStatus (pure).
+
+Inputs, all text or plain facts: the tail of ``events.jsonl`` (training/EVENTS.md),
+the tail of ``train.log``, the liveness facts of the tmux run (alive, exit status, the
+target's clock, file mtimes), and optionally the GPU table. ``build_status`` is pure;
+``fetch_status`` gets all of it from a target in ONE command (``FETCH_SCRIPT``, run as
+``sh -c SCRIPT sh ARGS...``: paths are positional arguments, never interpolated), with
+only the last ``TAIL_BYTES`` of each file read (``tail -c``): a log of many GB is never
+downloaded.
+
+States and transitions. The phase of the run comes from its ``phase`` events (a
+``step`` event implies ``train``); across ranks an ``error`` on any rank wins, and
+``done``/``stopped`` count only once every rank that started has reached one::
+
+    (no event yet)                                   -> starting
+    load_data | buckets | load_target | load_drafter -> loading
+    compile                                          -> compiling
+    train (or a step event)                          -> training
+    eval                                             -> evaluating
+    checkpoint                                       -> checkpointing
+    done                                             -> finished
+    stopped                                          -> stopped
+    error                                            -> failed
+
+then liveness decides:
+
+    process gone, exit 0        -> finished (phase done) else stopped
+    process gone, exit != 0     -> failed (the exit status is shown; kill -9 -> 137)
+    process gone, no exit file  -> finished/stopped if the phase says so, else failed
+    alive, non-final state, no new event and no log growth for stall_window_s -> stalled
+    liveness unknown (--log)    -> the phase state as is
+
+Exit codes of ``fab status`` (distinct from fleet.errors' 1-7): starting, loading,
+compiling, training, evaluating, checkpointing and finished -> 0; stopped -> 10;
+stalled -> 11; failed -> 12.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fleet.diagnose import Diagnosis, clean_lines, diagnose, find_traceback
+
+STATE_EXIT_CODES: dict[str, int] = {
+    "starting": 0,
+    "loading": 0,
+    "compiling": 0,
+    "training": 0,
+    "evaluating": 0,
+    "checkpointing": 0,
+    "finished": 0,
+    "stopped": 10,
+    "stalled": 11,
+    "failed": 12,
+}
+PHASE_STATES: dict[str, str] = {
+    "load_data": "loading",
+    "buckets": "loading",
+    "load_target": "loading",
+    "load_drafter": "loading",
+    "compile": "compiling",
+    "train": "training",
+    "eval": "evaluating",
+    "checkpoint": "checkpointing",
+    "done": "finished",
+    "stopped": "stopped",
+    "error": "failed",
+}
+FINAL_PHASES = ("done", "stopped", "error")
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    index: int
+    lo: int
+    hi: int
+    batches: int
+    percent: float
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    batches_per_epoch: int
+    min: int
+    max: int
+    avg: float
+    buckets: tuple[BucketRow, ...]
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    what: str
+    done: int
+    total: int
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class CompileCache:
+    fxgraph_hit: int
+    fxgraph_miss: int
+    aotautograd_hit: int
+    aotautograd_miss: int
+
+    @property
+    def warm_with_misses(self) -> bool:
+        """A warm start (some hits) that still compiled something: the concurrent-compile risk."""
+        hits = self.fxgraph_hit + self.aotautograd_hit
+        return hits > 0 and self.fxgraph_miss + self.aotautograd_miss > 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    seconds: float
+    ts: float
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    type: str
+    message: str
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    index: int
+    role: str  # "target" | "drafter" | "" (unknown)
+    memory_used_mib: float | None
+    memory_total_mib: float | None
+    utilization_pct: float | None
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the target says about the run outside the events (None = not known)."""
+
+    run_id: str = ""
+    release: str = ""
+    env: str = ""
+    alive: bool | None = None  # tmux session with a live pane
+    exit_code: int | None = None  # the run's exit status once it ended
+    now: float | None = None  # the target's clock
+    log_mtime: float | None = None
+    events_mtime: float | None = None
+    log_size: int | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """One picture of a run. ``exit_code`` is what ``fab status`` exits with."""
+
+    target: str
+    run_id: str
+    release: str
+    env: str
+    state: str
+    since: float | None
+    phase: str
+    alive: bool | None
+    process_exit_code: int | None
+    buckets: BucketTable | None
+    load: LoadProgress | None
+    step: int | None
+    total_steps: int | None
+    epoch: int | None
+    loss: float | None
+    loss_trend: float | None  # relative change of the recent mean loss (-0.05 = 5% lower)
+    tau: float | None
+    eval_tau: float | None
+    tokens_per_s: float | None
+    tokens_per_s_by_role: Mapping[str, float]
+    eta_s: float | None
+    gpus: tuple[GpuRow, ...]
+    compile_cache: CompileCache | None
+    last_checkpoint: Checkpoint | None
+    last_error: ErrorInfo | None
+    diagnosis: tuple[Diagnosis, ...]
+    last_activity_age_s: float | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def exit_code(self) -> int:
+        return STATE_EXIT_CODES[self.state]
+
+    @property
+    def final(self) -> bool:
+        return self.state in ("finished", "stopped", "failed")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict (NaN/inf -> null): state, phase, step, loss, tokens_per_s, diagnosis, ..."""
+        data = asdict(self)
+        data["diagnosis"] = [d.to_json() for d in self.diagnosis]
+        data["tokens_per_s_by_role"] = dict(self.tokens_per_s_by_role)
+        data["exit_code"] = self.exit_code
+        return _json_safe(data)
+
+    def text(self, width: int = 100) -> str:
+        """The picture as plain text (rendered by rich)."""
+        from fleet.status_cli import render_text
+
+        return render_text(self, width=width)
+
+    def renderable(self) -> Any:
+        """A rich renderable of the picture (for ``rich.live.Live``)."""
+        from fleet.status_cli import render
+
+        return render(self)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class ParsedEvents:
+    events: tuple[Mapping[str, Any], ...]
+    skipped: int
+
+
+def parse_events(text: str, *, truncated: bool = False) -> ParsedEvents:
+    """events.jsonl text -> events. Torn, foreign-version and non-JSON lines are skipped and counted.
+
+    ``truncated``: the text is a tail cut at a byte offset, so its first line is partial.
+    """
+    text = text.replace("\x00", "")
+    lines = text.split("\n")
+    if truncated and lines:
+        lines = lines[1:]
+    events: list[Mapping[str, Any]] = []
+    skipped = 0
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            skipped += 1
+            continue
+        if (
+            not isinstance(obj, dict)
+            or obj.get("v") != 1
+            or not isinstance(obj.get("event"), str)
+            or not isinstance(obj.get("ts"), int | float)
+        ):
+            skipped += 1
+            continue
+        events.append(obj)
+    return ParsedEvents(tuple(events), skipped)
+
+
+_BATCHES = re.compile(r"Batches per epoch:\s*(\d+)\s*\(min=(\d+)\s+max=(\d+)\s+avg=([\d.]+)\)")
+_BUCKET = re.compile(
+    r"^\s*Bucket\s+(\d+)\s*\[\s*(\d+)\s*,\s*(\d+)\s*\):\s*(\d+)\s+batches\s*\(\s*([\d.]+)%\)"
+)
+
+
+def parse_bucket_table(log_text: str) -> BucketTable | None:
+    """The last ``Batches per epoch`` table printed in a human log (the trainer's start-up format)."""
+    lines = clean_lines(log_text)
+    table: BucketTable | None = None
+    for i, line in enumerate(lines):
+        head = _BATCHES.search(line)
+        if not head:
+            continue
+        rows = []
+        for row_line in lines[i + 1 :]:
+            m = _BUCKET.match(row_line)
+            if not m:
+                break
+            rows.append(
+                BucketRow(
+                    int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), float(m.group(5))
+                )
+            )
+        table = BucketTable(
+            int(head.group(1)), int(head.group(2)), int(head.group(3)), float(head.group(4)), tuple(rows)
+        )
+    return table
+
+
+_LOADING = re.compile(r"Loading (\d+) (target|drafter) models?")
+_LOADED = re.compile(r"Loaded in [\d.]+s")
+
+
+def parse_load_from_log(log_text: str) -> LoadProgress | None:
+    """``Loading 5 target models...`` + one ``Loaded in`` per model -> k of n (human log fallback)."""
+    lines = clean_lines(log_text)
+    progress: LoadProgress | None = None
+    for i, line in enumerate(lines):
+        m = _LOADING.search(line)
+        if m:
+            done = sum(1 for later in lines[i + 1 :] if _LOADED.search(later))
+            total = int(m.group(1))
+            progress = LoadProgress(m.group(2), min(done, total), total)
+    return progress
+
+
+def _buckets_from_event(ev: Mapping[str, Any]) -> BucketTable | None:
+    try:
+        rows = tuple(
+            BucketRow(int(b["index"]), int(b["lo"]), int(b["hi"]), int(b["batches"]), float(b["percent"]))
+            for b in ev.get("buckets", [])
+        )
+        return BucketTable(
+            int(ev["batches_per_epoch"]), int(ev["min"]), int(ev["max"]), float(ev["avg"]), rows
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def run_phase(events: Sequence[Mapping[str, Any]]) -> tuple[str, float | None]:
+    """The run's phase and the time it was entered, across ranks (see the module docstring)."""
+    per_rank: dict[int, tuple[str, float]] = {}
+    started: set[int] = set()
+    last: tuple[str, float] | None = None
+    for ev in events:
+        rank = ev.get("rank", 0) if isinstance(ev.get("rank"), int) else 0
+        kind = ev.get("event")
+        ts = float(ev["ts"])
+        phase: str | None = None
+        if kind == "run_start":
+            started.add(rank)
+        elif kind == "phase" and isinstance(ev.get("phase"), str):
+            phase = ev["phase"]
+        elif kind in ("step", "balance") and per_rank.get(rank, ("", 0.0))[0] not in ("train", *FINAL_PHASES):
+            phase = "train"
+        elif kind == "done":
+            phase = "done"
+        elif kind == "error":
+            phase = "error"
+        if phase is None:
+            continue
+        if per_rank.get(rank, ("",))[0] == phase:
+            continue
+        per_rank[rank] = (phase, ts)
+        if phase not in FINAL_PHASES:
+            last = (phase, ts)
+    if not per_rank:
+        return "", None
+    errors = [ts for p, ts in per_rank.values() if p == "error"]
+    if errors:
+        return "error", min(errors)
+    ranks = started | set(per_rank)
+    finals = [per_rank.get(r) for r in ranks]
+    if all(f is not None and f[0] in FINAL_PHASES for f in finals):
+        phases = {f[0] for f in finals if f}
+        phase = "stopped" if "stopped" in phases else "done"
+        return phase, max(f[1] for f in finals if f)
+    return last if last else ("", None)
+
+
+def derive_state(
+    phase: str,
+    phase_since: float | None,
+    facts: RunFacts,
+    last_activity: float | None,
+    stall_window_s: float,
+) -> tuple[str, float | None, str]:
+    """(state, since, note) from the phase and the liveness facts — the transitions in the docstring."""
+    state = PHASE_STATES.get(phase, "starting")
+    if facts.alive is False:
+        ended = facts.log_mtime or last_activity
+        if facts.exit_code is not None and facts.exit_code != 0:
+            return "failed", ended, f"exited with status {facts.exit_code}"
+        if facts.exit_code == 0:
+            return ("finished" if phase == "done" else "stopped"), ended, "exited with status 0"
+        if state in ("finished", "stopped", "failed"):
+            return state, phase_since, "process gone"
+        return "failed", ended, "the run's process is gone and left no exit status"
+    if facts.alive and state not in ("finished", "stopped", "failed"):
+        if facts.now is not None and last_activity is not None:
+            if facts.now - last_activity > stall_window_s:
+                age = facts.now - last_activity
+                return "stalled", last_activity, f"no new event or log output for {age:.0f}s"
+    return state, phase_since, ""
+
+
+def build_status(
+    target: str,
+    facts: RunFacts,
+    events_text: str,
+    log_text: str,
+    *,
+    stall_window_s: float = 600.0,
+    events_truncated: bool = False,
+    gpus: Sequence[GpuRow] = (),
+) -> RunStatus:
+    """The whole picture from text and facts (pure)."""
+    parsed = parse_events(events_text, truncated=events_truncated)
+    events = parsed.events
+    notes: list[str] = []
+    if parsed.skipped:
+        notes.append(f"{parsed.skipped} unreadable events.jsonl line(s) skipped")
+
+    buckets = None
+    load = None
+    cache_by_rank: dict[int, CompileCache] = {}
+    rate_by_rank: dict[int, tuple[str, float]] = {}
+    step_rate_by_rank: dict[int, float] = {}
+    steps: list[Mapping[str, Any]] = []
+    step_rank: int | None = None
+    checkpoint = None
+    error = None
+    eval_tau = None
+    for ev in events:
+        kind = ev["event"]
+        rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
+        role = ev["role"] if isinstance(ev.get("role"), str) else "single"
+        if kind == "buckets":
+            buckets = _buckets_from_event(ev) or buckets
+        elif kind == "load_progress" and _int(ev.get("done")) is not None and _int(ev.get("total")):
+            load = LoadProgress(str(ev.get("what", "")), ev["done"], ev["total"], _num(ev.get("seconds")))
+        elif kind == "compile_cache":
+            counts = [
+                _int(ev.get(k)) or 0
+                for k in ("fxgraph_hit", "fxgraph_miss", "aotautograd_hit", "aotautograd_miss")
+            ]
+            cache_by_rank[rank] = CompileCache(*counts)
+        elif kind == "step" and _int(ev.get("step")) is not None:
+            if step_rank is None:
+                step_rank = rank
+            if rank == step_rank:
+                steps.append(ev)
+            rate = _num(ev.get("tokens_per_s"))
+            if rate is not None:
+                rate_by_rank[rank] = (role, rate)
+                step_rate_by_rank[rank] = rate
+        elif kind == "balance" and _num(ev.get("tokens_per_s")) is not None:
+            rate_by_rank[rank] = (role, float(ev["tokens_per_s"]))
+        elif kind == "checkpoint" and _int(ev.get("step")) is not None:
+            checkpoint = Checkpoint(
+                ev["step"], str(ev.get("path", "")), _num(ev.get("seconds")) or 0.0, ev["ts"]
+            )
+        elif kind == "eval":
+            eval_tau = _num(ev.get("tau_mean"))
+        elif kind == "error":
+            error = ErrorInfo(str(ev.get("type", "")), str(ev.get("message", "")))
+
+    if buckets is None:
+        buckets = parse_bucket_table(log_text)
+    if load is None:
+        load = parse_load_from_log(log_text)
+    if error is None:
+        tb = find_traceback(log_text)
+        if tb:
+            kind, _, message = tb.exception.partition(": ")
+            error = ErrorInfo(kind, message)
+
+    phase, phase_since = run_phase(events)
+    if not phase and (load or buckets):  # only the human log says so (events missing or rotated)
+        phase = "load_target" if load else "buckets"
+    if facts.alive is None and error is not None and phase not in FINAL_PHASES:
+        phase, phase_since = "error", None  # an offline log that ends in a crash
+    times = [t for t in (events[-1]["ts"] if events else None, facts.log_mtime, facts.events_mtime) if t]
+    last_activity = max(times) if times else None
+    state, since, note = derive_state(phase, phase_since, facts, last_activity, stall_window_s)
+    if note:
+        notes.append(note)
+
+    last = steps[-1] if steps else None
+    by_role: dict[str, float] = {}
+    for role, rate in rate_by_rank.values():
+        by_role[role] = by_role.get(role, 0.0) + rate
+    cache = None
+    if cache_by_rank:
+        cache = CompileCache(
+            *(sum(getattr(c, f) for c in cache_by_rank.values()) for f in CompileCache.__dataclass_fields__)
+        )
+    if cache and cache.warm_with_misses:
+        notes.append("warm compile cache but misses: something recompiled (concurrent-compile risk)")
+
+    return RunStatus(
+        target=target,
+        run_id=facts.run_id,
+        release=facts.release,
+        env=facts.env,
+        state=state,
+        since=since,
+        phase=phase,
+        alive=facts.alive,
+        process_exit_code=facts.exit_code,
+        buckets=buckets,
+        load=load,
+        step=_int(last.get("step")) if last else None,
+        total_steps=_int(last.get("total_steps")) if last else None,
+        epoch=_int(last.get("epoch")) if last else None,
+        loss=_num(last.get("loss")) if last else None,
+        loss_trend=loss_trend([_num(s.get("loss")) for s in steps]),
+        tau=_num(last.get("tau")) if last else None,
+        eval_tau=eval_tau,
+        tokens_per_s=sum(step_rate_by_rank.values()) if step_rate_by_rank else None,
+        tokens_per_s_by_role=by_role,
+        eta_s=eta_seconds(steps) if state not in ("finished", "stopped", "failed") else None,
+        gpus=tuple(gpus),
+        compile_cache=cache,
+        last_checkpoint=checkpoint,
+        last_error=error,
+        diagnosis=tuple(diagnose(log_text, events)),
+        last_activity_age_s=(facts.now - last_activity) if facts.now and last_activity else None,
+        notes=tuple(notes),
+    )
+
+
+def loss_trend(losses: Sequence[float | None], window: int = 10) -> float | None:
+    """Relative change of the mean of the last ``window`` losses vs the ``window`` before them."""
+    values = [v for v in losses if v is not None and math.isfinite(v)]
+    k = min(window, len(values) // 2)
+    if k < 2:
+        return None
+    before = sum(values[-2 * k : -k]) / k
+    after = sum(values[-k:]) / k
+    return (after - before) / abs(before) if before else None
+
+
+def eta_seconds(steps: Sequence[Mapping[str, Any]], window: int = 20) -> float | None:
+    """Seconds to ``total_steps`` at the pace of the recent step events of one rank."""
+    recent = list(steps[-window:])
+    if len(recent) < 2:
+        return None
+    first, last = recent[0], recent[-1]
+    done = last["step"] - first["step"]
+    elapsed = float(last["ts"]) - float(first["ts"])
+    total = _int(last.get("total_steps"))
+    if done <= 0 or elapsed <= 0 or total is None:
+        return None
+    return max(0, total - last["step"]) * elapsed / done

@@ -1,0 +1,150 @@
+"""fleet's Fabric tasks (`fab --list`). Pick a target with FLEET_TARGET=<name> (default: fleet.toml's
+default_target); read-only tasks also take FLEET_TARGET=all. Each task is a few lines: the work is in
+fleet/ (see docs/DESIGN.md)."""
+
+from __future__ import annotations
+
+from invoke import Collection, Context
+from invoke.exceptions import Exit
+
+from fleet import deploy as fleet_deploy
+from fleet import envs as fleet_envs
+from fleet import gpus as fleet_gpus
+from fleet import plot as fleet_plot
+from fleet import runs
+from fleet import status_cli as fleet_status
+from fleet.cli import fleet_task, on_targets, repo_root, single_target
+from fleet.errors import ConfigError
+from fleet.target import Target
+
+
+@fleet_task
+def deploy(c: Context) -> None:
+    """Upload training/ as a new release and make it current."""
+    with single_target(c) as target:
+        env = fleet_envs.ensure_env(target, repo_root())  # builds a missing env; refuses a drifted one
+        if env.managed:
+            print(f"{target.name}: env {env.name} {'built' if env.built else 'ok'} ({env.path})")
+        release = fleet_deploy.deploy(target, repo_root())
+        c.config["fleet_deployed"] = {target.name: release.id}  # `fab deploy train`: train skips a probe
+        print(f"{target.name}: release {release.id} is current ({release.path})")
+
+
+@fleet_task(help={"no_warm": "skip the compile-cache warm-up (`fab warm`) before the start"})
+def train(c: Context, no_warm: bool = False) -> None:
+    """Start the configured run in tmux (one live run per target)."""
+    with single_target(c) as target:
+        fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
+        if not no_warm:
+            runs.warm_cache(target, if_needed=True)  # compiles only when the key's cache is not complete
+        info = runs.start_run(target, release_id=c.config.get("fleet_deployed", {}).get(target.name))
+        print(f"{target.name}: run {info.run_id} started (release {info.release_id}); `fab logs --follow`")
+
+
+@fleet_task(
+    help={
+        "watch": "refresh in place every SECONDS (default 5) until the run ends",
+        "json": "print one JSON object (state, phase, step, loss, tokens_per_s, diagnosis, ...)",
+        "log": "read a local run dir, events.jsonl or log file instead of a target",
+    },
+    optional=["watch"],
+)
+def status(c: Context, watch: str | None = None, json: bool = False, log: str = "") -> None:
+    """One picture of the run: state, phase, progress, speed, GPUs, diagnosis; exit code = state."""
+    code = fleet_status.status_task(c, watch=watch, as_json=json, log=log)
+    if code:
+        raise Exit(code=code)
+
+
+@fleet_task(help={"out": "PNG path (default <target>-<run>.png)", "log": "a local run dir or events.jsonl"})
+def plot(c: Context, out: str = "", log: str = "") -> None:
+    """Plot loss, acceptance tau and tokens/s over steps of the latest run as a PNG."""
+    print(f"wrote {fleet_plot.plot_task(c, out=out, log=log)}")
+
+
+@fleet_task(help={"n": "how many log lines (default 40)", "follow": "keep printing new lines until Ctrl-C"})
+def logs(c: Context, n: int = 40, follow: bool = False) -> None:
+    """Print the end of the latest run's log (-n N, --follow)."""
+    if n < 0:
+        raise ConfigError(f"logs -n {n}: give a line count >= 0")
+    if follow:
+        on_targets(c, lambda target: runs.follow_log(target, n), allow_many=False)
+    else:
+        on_targets(c, lambda target: runs.read_log(target, n))
+
+
+@fleet_task(help={"force": "warm again even when the cache of this config is complete"})
+def warm(c: Context, force: bool = False) -> None:
+    """Compile every shape of the run config into the target's compile cache (a smoke test too)."""
+    with single_target(c) as target:
+        if not runs.warm_cache(target, if_needed=not force):
+            print(f"{target.name}: run.module is not the bundled trainer: nothing to warm")
+
+
+@fleet_task(help={"force": "kill the run at once (SIGKILL) instead of SIGTERM + checkpoint"})
+def stop(c: Context, force: bool = False) -> None:
+    """Stop the live run (SIGTERM + checkpoint; --force kills)."""
+    with single_target(c) as target:
+        print(runs.stop_run(target, force=force).text())
+
+
+@fleet_task(help={"wait": "poll until clean, at most this many seconds", "json": "print JSON"})
+def gpus(c: Context, wait: float = 0.0, json: bool = False) -> None:
+    """Check that the GPUs are clean to launch on; exit 1 if not."""
+    if wait < 0:
+        raise ConfigError(f"gpus --wait {wait:g}: give seconds >= 0")
+    on_targets(c, lambda target: fleet_gpus.gpus_task(target, wait_s=wait, as_json=json))
+
+
+@fleet_task(help={"json": "print JSON (drift, extra, missing, changed, ...)", "full": "hash every file"})
+def env_check(c: Context, json: bool = False, full: bool = False) -> None:
+    """Compare the target's venv with its uv.lock; exit 1 on drift."""
+    drifted: list[str] = []
+
+    def check(target: Target) -> str:
+        if not target.spec.env:
+            return f'{target.name}: no managed env (env = ""), nothing to check'
+        report = fleet_envs.check_env(target, repo_root(), full=full)
+        if report.drift:
+            drifted.append(target.name)
+        return report.to_json_text() if json else report.text()
+
+    on_targets(c, check)
+    if drifted:
+        raise Exit(code=1)
+
+
+@fleet_task(help={"gc": "then remove env builds that no current/previous link, release or run uses"})
+def env_rebuild(c: Context, gc: bool = False) -> None:
+    """Build the env afresh; switch only once it is verified."""
+    with single_target(c) as target:
+        env = fleet_envs.rebuild_env(target, repo_root())
+        print(f"{target.name}: env {env.name} rebuilt in {env.build_seconds:.1f}s: {env.describe()}")
+        if gc:
+            removed = fleet_envs.gc_envs(target)
+            print(f"{target.name}: removed {len(removed)} unused env(s): {', '.join(removed) or '-'}")
+
+
+@fleet_task
+def env_rollback(c: Context) -> None:
+    """Make the previous env build current again."""
+    with single_target(c) as target:
+        env = fleet_envs.rollback_env(target)
+        print(f"{target.name}: env {env.name} rolled back, now current: {env.describe()}")
+
+
+@fleet_task(help={"gpus": "GPUs to split (default: the target's gpus, else 2)", "json": "print JSON"})
+def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
+    """Probe target/drafter rates of the run config on the target; predict each N+M split."""
+    with single_target(c) as target:
+        spec = target.spec
+        if spec.gpus > 0:
+            fleet_gpus.gate(target)  # the probe needs the GPUs to itself
+        python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+        argv = [python, "-m", spec.run.module, "plan", "--config", spec.run.config, *spec.run.overrides]
+        argv += ["--gpus", str(gpus or spec.gpus or 2), *(["--json"] if json else [])]
+        print(target.run(argv, cwd=spec.layout.current, env=dict(spec.run.env)).stdout.rstrip("\n"))
+
+
+ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)
+ns.add_task(warm)

@@ -1,0 +1,500 @@
+"""fleet.runs: pure helpers, and real runs of training.selftest in real tmux on the local target.
+
+tmux runs on a private server (the `local_tmux` fixture sets TMUX_TMPDIR), never the user's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import pytest
+
+from fleet import deploy as d
+from fleet import runs
+from fleet.errors import RunError
+from fleet.inventory import Commands, RunSpec, TargetSpec
+from fleet.layout import RUN_SESSION
+from fleet.target import LocalTarget, open_target
+from training.events import read_events, validate_event
+
+if TYPE_CHECKING:
+    from conftest import LocalTmux, RemoteFleet
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = dt.datetime(2026, 11, 30, 1, 2, 3, tzinfo=dt.UTC)
+SECRET = "s3cr3t-'quoted' $(touch /tmp/fleet-pwned) `id` ;x"
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_run_id_format_and_bump() -> None:
+    assert runs.make_run_id(T0, "tiny-cpu") == "20261130T010203Z-tiny-cpu"
+    assert runs.make_run_id(T0, "configs/My Run.toml") == "20261130T010203Z-My-Run"
+    assert runs.make_run_id(T0, "tiny-cpu", "20261130T010203Z-tiny-cpu") == "20261130T010204Z-tiny-cpu"
+    assert runs.make_run_id(T0, "x", "garbage") == "20261130T010203Z-x"
+
+
+def test_training_argv_uses_the_managed_env_python_when_set() -> None:
+    spec = TargetSpec(
+        name="t",
+        host="local",
+        workdir="/w",
+        run=RunSpec(module="training", config="tiny-cpu", overrides=("--train.steps=5",)),
+    )
+    assert runs.training_argv(spec, "/w/runs/r") == [
+        "python3",
+        "-m",
+        "training",
+        "train",
+        "--config",
+        "tiny-cpu",
+        "--run-dir",
+        "/w/runs/r",
+        "--train.steps=5",
+    ]
+    assert runs.training_argv(replace(spec, env="train"), "/r")[0] == "/w/envs/train/current/bin/python"
+
+
+def test_env_file_round_trips_through_a_real_shell(tmp_path: Path) -> None:
+    env_file = tmp_path / "run.env"
+    env_file.write_bytes(runs.env_file_text({"B_KEY": SECRET, "A_KEY": "plain", "EMPTY": ""}))
+    out = subprocess.run(
+        ["bash", "-c", '. "$1"; printf "%s\\0" "$A_KEY" "$B_KEY" "$EMPTY"', "sh", str(env_file)],
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert out.split(b"\0")[:3] == [b"plain", SECRET.encode(), b""]
+    assert not Path("/tmp/fleet-pwned").exists()
+    with pytest.raises(RunError):
+        runs.env_file_text({"BAD-KEY": "x"})
+
+
+# Recorded from run_state.sh against a live run (tmux 3.3a prints empty dead-status fields).
+STATE_LIVE = (
+    "@@pane\n0 4242  \n"
+    + """@@current
+releases/20261130T000001Z-abcdef1
+@@latest
+20261130T000002Z-tiny-cpu
+@@run_json
+{"run_id": "20261130T000002Z-tiny-cpu", "release": "20261130T000001Z-abcdef1", "started_at": "t0"}
+@@exit_code
+
+@@pgid
+4242
+@@log
+step 1/10
+@@not-a-section
+"""
+)
+
+
+def test_parse_state_live_exited_never() -> None:
+    live = runs.parse_state("t", STATE_LIVE)
+    assert live.state == "live" and live.exit_code is None
+    assert live.run_id == "20261130T000002Z-tiny-cpu" and live.release_id == "20261130T000001Z-abcdef1"
+    assert live.current_release == "20261130T000001Z-abcdef1"
+    assert live.last_lines == ("step 1/10", "@@not-a-section")  # the log runs to the end verbatim
+    exited = runs.parse_state(
+        "t", STATE_LIVE.replace("0 4242  ", "1 4242 3 ").replace("@@exit_code\n", "@@exit_code\n7")
+    )
+    assert exited.state == "exited" and exited.exit_code == 7  # run.sh's record wins
+    from_tmux = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", "1 4242 3 "))
+    assert from_tmux.state == "exited" and from_tmux.exit_code == 3
+    signalled = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", "1 4242  9"))
+    assert signalled.exit_code == 137
+    gone = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", ""))  # tmux server gone (reboot)
+    assert gone.state == "exited" and gone.exit_code is None and "unknown" in gone.text()
+    never = runs.parse_state("t", "@@pane\n@@current\n@@latest\n@@run_json\n@@exit_code\n@@pgid\n@@log\n")
+    assert never.state == "never" and never.run_id is None
+    assert json.loads(live.to_json())["last_lines"] == ["step 1/10", "@@not-a-section"]
+
+
+# Recorded from run_state.sh after a selftest run failed at step 3 (tmux 3.3a). Note the pane line
+# "1 10364  ": dead, but tmux left the status empty (it had not reaped the process), which is why
+# run.sh records its own exit_code.
+RECORDED_EXITED = (
+    "@@pane\n1 10364  \n\n@@current\nreleases/20261130T003216Z-0000000-dirty\n\n@@latest\n"
+    "20261130T003216Z-selftest\n\n@@run_json\n"
+    '{"run_id": "20261130T003216Z-selftest", "release": "20261130T003216Z-0000000-dirty", '
+    '"release_dir": "/tmp/fr/w/releases/20261130T003216Z-0000000-dirty", '
+    '"run_dir": "/tmp/fr/w/runs/20261130T003216Z-selftest", "argv": ["/work/main/.venv/bin/python", '
+    '"-m", "training.selftest", "train", "--config", "selftest", "--run-dir", '
+    '"/tmp/fr/w/runs/20261130T003216Z-selftest", "--selftest.steps=3", "--selftest.step_seconds=0.1", '
+    '"--selftest.fail_at=3"], "started_at": "2026-11-30T00:32:16+00:00", "target": "t", '
+    '"module": "training.selftest", "config": "selftest", "env_keys": [], "tmux_session": "fleet-run"}\n'
+    "\n@@exit_code\n1\n\n@@pgid\n10364\n\n@@log\nstep 1/3 loss=7.7387 acc1=0.154\n"
+    "step 2/3 loss=7.0498 acc1=0.280\nRuntimeError: selftest failure injected at step 3\n"
+    "fleet: run exited with code 1\n"
+)
+
+
+def test_parse_state_recorded_exited_run() -> None:
+    status = runs.parse_state("t", RECORDED_EXITED)
+    assert status.state == "exited" and status.exit_code == 1 and status.foreign_pid is None
+    assert status.run_id == "20261130T003216Z-selftest"
+    assert status.release_id == status.current_release == "20261130T003216Z-0000000-dirty"
+    assert status.started_at == "2026-11-30T00:32:16+00:00"
+    assert status.last_lines[-1] == "fleet: run exited with code 1" and len(status.last_lines) == 4
+    assert status.text().splitlines()[0] == (
+        "t: run 20261130T003216Z-selftest exited with code 1 (release 20261130T003216Z-0000000-dirty)"
+    )
+
+
+# ------------------------------------------------------------------ real runs (local target, real tmux)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll until ``check()``; fail naming ``what`` after a generous timeout (not a speed test)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for: {what}")
+        time.sleep(0.1)
+
+
+def events_of(run_dir: str) -> list[dict[str, object]]:
+    path = Path(run_dir) / "events.jsonl"
+    return read_events(path) if path.exists() else []
+
+
+def has_step(run_dir: str) -> bool:
+    return any(e["event"] == "step" for e in events_of(run_dir))
+
+
+@pytest.fixture
+def python_shim(tmp_path: Path) -> Path:
+    """`commands.python`: records a hash of the secret the run sees, then execs the real python."""
+    shim = tmp_path / "python"
+    shim.write_text(
+        "#!/bin/sh\n"
+        'printf %s "$FLEET_TEST_SECRET" | sha256sum > "$FLEET_RUN_DIR/secret.sha256"\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    shim.chmod(0o755)
+    return shim
+
+
+@pytest.fixture
+def target(tmp_path: Path, local_tmux: LocalTmux, python_shim: Path) -> Iterator[LocalTarget]:
+    spec = TargetSpec(
+        name="t",
+        host="local",
+        workdir=str(tmp_path / "work"),
+        keep_releases=2,
+        commands=Commands(python=str(python_shim)),
+        run=RunSpec(
+            module="training.selftest",
+            config="selftest",
+            overrides=("--selftest.steps=100000", "--selftest.step_seconds=0.05"),
+            env=MappingProxyType({"FLEET_TEST_SECRET": SECRET}),
+        ),
+    )
+    with open_target(spec) as t:
+        assert isinstance(t, LocalTarget)
+        yield t
+        local_tmux.run("kill-session", "-t", f"={RUN_SESSION}", check=False)
+
+
+def test_start_refuse_status_stop_status(target: LocalTarget, local_tmux: LocalTmux) -> None:
+    assert runs.basic_status(target).state == "never"
+    with pytest.raises(RunError, match="fab deploy"):
+        runs.start_run(target)
+    release = d.deploy(target, REPO)
+    info = runs.start_run(target)
+    assert info.release_id == release.id and info.run_dir.endswith(info.run_id)
+    with pytest.raises(RunError, match=rf"{info.run_id}.*`fab stop`"):
+        runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    status = runs.basic_status(target)
+    assert status.state == "live" and status.run_id == info.run_id and status.release_id == release.id
+    assert any(line.startswith("step ") for line in status.last_lines)
+    assert local_tmux.run(
+        "show-options", "-w", "-t", f"={RUN_SESSION}:", "remain-on-exit"
+    ).stdout.split() == [
+        "remain-on-exit",
+        "on",
+    ]
+
+    stopped = runs.stop_run(target, timeout_s=60)
+    assert stopped.state == "exited" and stopped.exit_code == 0, stopped.text()
+    assert "SIGTERM" in stopped.message
+    events = events_of(info.run_dir)
+    assert [e["phase"] for e in events if e["event"] == "phase"][-2:] == ["checkpoint", "stopped"]
+    assert all(validate_event(e) == [] for e in events)
+    assert (Path(info.run_dir) / "exit_code").read_text().strip() == "0"
+    after = runs.basic_status(target)
+    assert after.state == "exited" and after.exit_code == 0 and after.run_id == info.run_id
+    assert "Stopped by signal 15" in runs.read_log(target, 5)
+    again = runs.stop_run(target)
+    assert again.state == "exited" and "nothing was stopped" in again.message
+
+
+def test_kill_9_of_the_trainer_is_reported_with_its_code(target: LocalTarget) -> None:
+    d.deploy(target, REPO)
+    info = runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    trainer_pid = next(e["pid"] for e in events_of(info.run_dir) if e["event"] == "run_start")
+    assert isinstance(trainer_pid, int)
+    os.kill(trainer_pid, signal.SIGKILL)
+    wait_for("the run to end", lambda: runs.basic_status(target, 0).state == "exited")
+    status = runs.basic_status(target)
+    assert status.exit_code == 128 + signal.SIGKILL
+    assert "exited with code 137" in status.text()
+
+
+def test_failing_run_records_its_exit_code_and_error_event(target: LocalTarget) -> None:
+    spec = target.spec
+    failing = replace(
+        spec, run=replace(spec.run, overrides=("--selftest.fail_at=3", "--selftest.step_seconds=0"))
+    )
+    with open_target(failing) as t:
+        d.deploy(t, REPO)
+        info = runs.start_run(t)
+        wait_for("the run to fail", lambda: runs.basic_status(t, 0).state == "exited")
+        assert runs.basic_status(t).exit_code == 1
+        kinds = [e["event"] for e in events_of(info.run_dir)]
+        assert "error" in kinds and "done" not in kinds
+        # An exited run does not block the next start; it gets a fresh run id and `latest`.
+        second = runs.start_run(t)
+        assert second.run_id != info.run_id
+        assert os.readlink(Path(spec.workdir) / "runs" / "latest") == second.run_id
+
+
+def test_force_stop_kills_the_group(target: LocalTarget) -> None:
+    d.deploy(target, REPO)
+    info = runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    pgid = int((Path(info.run_dir) / "pgid").read_text())
+    stopped = runs.stop_run(target, force=True)
+    assert stopped.state == "exited" and stopped.exit_code == 137 and "SIGKILL" in stopped.message
+    alive = [
+        p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_and_state(p) == (pgid, True)
+    ]
+    assert alive == []
+
+
+def _pgid_and_state(proc: Path) -> tuple[int, bool] | None:
+    try:
+        stat = (proc / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[2]), fields[0] != "Z"
+
+
+def test_secrets_stay_out_of_argv_run_json_log_and_tmux(target: LocalTarget, local_tmux: LocalTmux) -> None:
+    d.deploy(target, REPO)
+    info = runs.start_run(target)
+    run_dir = Path(info.run_dir)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    # The run saw the secret ...
+    seen = (run_dir / "secret.sha256").read_text().split()[0]
+    assert seen == hashlib.sha256(SECRET.encode()).hexdigest()
+    # ... but it is nowhere else: not in any process's argv, files of the run dir, or tmux's environment.
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
+    assert SECRET not in ps and "s3cr3t" not in ps
+    assert not (run_dir / "run.env").exists()  # read by run.sh, then deleted
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert b"s3cr3t" not in path.read_bytes(), path
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["env_keys"] == ["FLEET_TEST_SECRET"] and record["release"] == info.release_id
+    assert record["argv"] == list(info.argv)
+    tmux_env = local_tmux.run("show-environment", "-t", f"={RUN_SESSION}").stdout
+    tmux_env += local_tmux.run("show-environment", "-g").stdout
+    assert "s3cr3t" not in tmux_env
+    assert not Path("/tmp/fleet-pwned").exists()
+    runs.stop_run(target)
+
+
+def test_live_runs_release_is_never_pruned(target: LocalTarget) -> None:
+    first = d.deploy(target, REPO)
+    info = runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    later = [d.deploy(target, REPO).id for _ in range(3)]  # keep_releases = 2
+    releases = sorted(p.name for p in (Path(target.spec.workdir) / "releases").iterdir())
+    assert first.id in releases and releases == sorted([first.id, *later[-2:]])
+    assert runs.basic_status(target, 0).state == "live"  # its code was never touched
+    runs.stop_run(target)
+    d.deploy(target, REPO)  # now it may go
+    assert first.id not in {p.name for p in (Path(target.spec.workdir) / "releases").iterdir()}
+
+
+def test_a_foreign_session_is_refused_and_never_signalled(target: LocalTarget, local_tmux: LocalTmux) -> None:
+    """tmux's `fleet-run` is per container; a pane this workdir did not start is never touched."""
+    local_tmux.run("new-session", "-d", "-s", RUN_SESSION, "sleep", "600")
+    pane_pid = int(local_tmux.run("list-panes", "-t", f"={RUN_SESSION}:", "-F", "#{pane_pid}").stdout)
+    d.deploy(target, REPO)
+    status = runs.basic_status(target)
+    assert status.state == "live" and status.foreign_pid == pane_pid and "not this workdir" in status.text()
+    with pytest.raises(RunError, match="not a run of workdir"):
+        runs.start_run(target)
+    with pytest.raises(RunError, match="nothing was signalled"):
+        runs.stop_run(target, force=True)
+    assert _pgid_and_state(Path(f"/proc/{pane_pid}")) == (pane_pid, True)  # still running
+
+
+def test_start_with_a_known_release_is_one_launch_that_skips_taken_run_ids(target: LocalTarget) -> None:
+    release = d.deploy(target, REPO)
+    with pytest.raises(RunError, match="not on the target"):
+        runs.start_run(target, release_id="20200101T000000Z-abcdef1")
+    now = dt.datetime.now(dt.UTC)
+    taken = [runs.make_run_id(now + dt.timedelta(seconds=s), "selftest") for s in range(3)]
+    for run_id in taken:
+        (Path(target.spec.workdir) / "runs" / run_id).mkdir(parents=True)
+    info = runs.start_run(target, release_id=release.id)
+    assert info.run_id not in taken and info.run_id > taken[0]
+    assert json.loads((Path(info.run_dir) / "run.json").read_text())["release"] == release.id
+    with pytest.raises(RunError, match=info.run_id):
+        runs.start_run(target, release_id=release.id)  # the launcher itself refuses a live run
+    runs.stop_run(target)
+
+
+def test_fab_logs_follow_streams_until_ctrl_c(tmp_path: Path, local_tmux: LocalTmux) -> None:
+    """The user's path: `fab deploy train`, `fab logs --follow`, Ctrl-C -> exit 0, no traceback."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f"""default_target = "here"
+[targets.here]
+host = "local"
+workdir = {json.dumps(str(tmp_path / "work"))}
+env = ""
+[targets.here.run]
+module = "training.selftest"
+config = "selftest"
+overrides = ["--selftest.steps=100000", "--selftest.step_seconds=0.05"]
+[targets.here.commands]
+python = {json.dumps(sys.executable)}
+"""
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(FLEET_CONFIG=str(config), PYTHONUNBUFFERED="1")
+    fab = str(REPO / ".venv" / "bin" / "fab")
+    started = subprocess.run([fab, "deploy", "train"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    follow = subprocess.Popen(
+        [fab, "logs", "--follow", "-n", "5"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert follow.stdout is not None
+        seen = [follow.stdout.readline() for _ in range(8)]  # blocks until the run has printed them
+        assert any(line.startswith(b"step ") for line in seen), seen
+        follow.send_signal(signal.SIGINT)
+        _, err = follow.communicate(timeout=60)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    assert follow.returncode == 0 and b"Traceback" not in err, err
+    stop = subprocess.run([fab, "stop"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert stop.returncode == 0 and "exited with code 0" in stop.stdout, stop.stdout + stop.stderr
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("--selftest.bogus=1", "unknown override --selftest.bogus"),
+        ("--selftest.steps=many", "is not a number"),
+        ("--selftest.steps=0", "must be >= 1"),
+        ("stray", "unexpected argument"),
+    ],
+)
+def test_selftest_bad_arguments_are_one_line_exit_2(tmp_path: Path, bad: str, says: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "training.selftest", "train", "--run-dir", str(tmp_path), bad],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and says in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_selftest_runs_to_done_with_valid_events(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.selftest",
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "12",
+            "--step-seconds",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Batches per epoch: 19099 (min=2 max=64 avg=19.3)" in result.stdout
+    assert "  Bucket 0 [   0, 770):  2120 batches ( 11.1%)" in result.stdout
+    events = read_events(tmp_path / "events.jsonl")
+    assert all(validate_event(e) == [] for e in events)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run_start" and kinds.count("step") == 12 and "done" in kinds
+    assert [e["phase"] for e in events if e["event"] == "phase"][-1] == "done"
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [10, 12]
+
+
+@pytest.mark.hosts
+def test_runs_through_ssh_and_pct(remote_fleet: RemoteFleet) -> None:
+    """The same life cycle on the real test host: SSH -> pct shim -> LXC container 200."""
+    from fleet.inventory import load_inventory
+
+    hosts = remote_fleet.hosts
+    remote_fleet.write(
+        run={
+            "module": "training.selftest",
+            "config": "selftest",
+            "overrides": ["--selftest.steps=100000", "--selftest.step_seconds=0.1"],
+            "env": {"FLEET_TEST_SECRET": SECRET},
+        }
+    )
+    spec = load_inventory(remote_fleet.config).targets["ct200"]
+
+    def ct_events(run_dir: str) -> list[dict[str, object]]:
+        text = hosts.pct_exec("cat", "--", f"{run_dir}/events.jsonl", check=False).stdout
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def ct_stepped(run_dir: str) -> bool:
+        return any(e["event"] == "step" for e in ct_events(run_dir))
+
+    with open_target(spec) as target:
+        release = d.deploy(target, REPO)
+        info = runs.start_run(target, release_id=release.id)  # the one-command launch
+        with pytest.raises(RunError, match=info.run_id):
+            runs.start_run(target)
+        wait_for("the first step in the container", lambda: ct_stepped(info.run_dir))
+        assert runs.basic_status(target).state == "live"
+        ps = hosts.pct_exec("ps", "-eww", "-o", "args").stdout
+        assert info.run_dir in ps and "s3cr3t" not in ps
+        stopped = runs.stop_run(target)
+        assert stopped.state == "exited" and stopped.exit_code == 0, stopped.text()
+
+        second = runs.start_run(target)
+        wait_for("the second run's first step", lambda: ct_stepped(second.run_dir))
+        pid = next(e["pid"] for e in ct_events(second.run_dir) if e["event"] == "run_start")
+        hosts.pct_exec("kill", "-9", str(pid))
+        wait_for("the killed run to be seen", lambda: runs.basic_status(target, 0).state == "exited")
+        assert runs.basic_status(target).exit_code == 137
+        assert "s3cr3t" not in runs.read_log(target, 200)

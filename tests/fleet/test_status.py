@@ -1,0 +1,530 @@
+"""The status model: states and transitions, tolerant parsing, the field-notes bucket table, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.errors import ConfigError, RunError
+from fleet.gpus import parse_query_gpu
+from fleet.status import STATE_EXIT_CODES, RunFacts, build_status, parse_bucket_table, parse_events
+from fleet.status_cli import (
+    FETCH_SCRIPT,
+    fetch_argv,
+    gpu_rows_from_csv,
+    parse_fetch,
+    render_text,
+    status_from_path,
+    status_task,
+    watch_interval,
+    watch_live,
+)
+from training.events import validate_event
+
+REPO = Path(__file__).resolve().parents[2]
+LOGS = REPO / "tests" / "fixtures" / "logs"
+FIELD_NOTES = Path("/work/shared/context/field-notes.md")
+T0 = 1_764_460_000.0
+
+# the user's start-up log, field-notes.md: exactly these numbers
+FIELD_NOTES_TABLE = (
+    46688,
+    2,
+    64,
+    19.3,
+    [
+        (0, 0, 770, 2120, 4.5),
+        (1, 770, 1216, 4016, 8.6),
+        (2, 1216, 1728, 5470, 11.7),
+        (3, 1728, 2432, 7493, 16.0),
+        (4, 2432, 3296, 8009, 17.2),
+        (5, 3296, 8193, 19580, 41.9),
+    ],
+)
+
+
+def ev(ts: float, event: str, rank: int = 0, role: str = "single", **fields: Any) -> str:
+    obj = {"v": 1, "ts": T0 + ts, "event": event, "rank": rank, "role": role, **fields}
+    assert validate_event(obj) == [], validate_event(obj)  # fixtures follow the real contract
+    return json.dumps(obj)
+
+
+def step(
+    ts: float, n: int, loss: float = 3.0, rank: int = 0, role: str = "single", rate: float = 1000.0
+) -> str:
+    return ev(
+        ts, "step", rank, role, step=n, total_steps=100, epoch=0, loss=loss, acc=[0.5, 0.3], tau=1.8,
+        lr=1e-4, tokens_per_s=rate, grad_norm=1.0, mem_gib=0.0,
+    )  # fmt: skip
+
+
+def lines(*items: str) -> str:
+    return "\n".join(items) + "\n"
+
+
+START = [ev(0, "run_start", config="tiny-cpu", run_dir="/r", pid=1, host="h", world_size=1, device="cpu")]
+ALIVE = RunFacts(run_id="r1", alive=True, now=T0 + 60)
+
+
+def status(events: list[str], facts: RunFacts = ALIVE, log: str = "", **kw: Any):
+    return build_status("t", facts, lines(*events) if events else "", log, **kw)
+
+
+# --------------------------------------------------------------------------- bucket table
+
+
+def _assert_field_notes_table(table: Any) -> None:
+    assert table is not None
+    total, lo, hi, avg, rows = FIELD_NOTES_TABLE
+    assert (table.batches_per_epoch, table.min, table.max, table.avg) == (total, lo, hi, avg)
+    assert [(b.index, b.lo, b.hi, b.batches, b.percent) for b in table.buckets] == rows
+
+
+def test_bucket_table_from_the_startup_log_fixture() -> None:
+    _assert_field_notes_table(parse_bucket_table((LOGS / "startup_fieldnotes.log").read_text()))
+
+
+@pytest.mark.skipif(not FIELD_NOTES.exists(), reason="field notes not on this machine")
+def test_bucket_table_from_the_field_notes_themselves() -> None:
+    block = re.search(r"```\n(Batches per epoch.*?)```", FIELD_NOTES.read_text(), re.S)
+    assert block is not None
+    _assert_field_notes_table(parse_bucket_table(block.group(1)))
+
+
+def test_bucket_table_with_rank_prefixes_and_crlf() -> None:
+    text = (LOGS / "startup_fieldnotes.log").read_text().replace("\n", "\r\n")
+    text = "\n".join(f"[rank0]:{line}" for line in text.split("\n"))
+    _assert_field_notes_table(parse_bucket_table(text))
+
+
+def test_load_progress_k_of_n_from_the_human_log() -> None:
+    st = status([], RunFacts(alive=True), log=(LOGS / "startup_fieldnotes.log").read_text())
+    assert st.load is not None and (st.load.what, st.load.done, st.load.total) == ("target", 2, 5)
+    assert st.buckets is not None and st.buckets.batches_per_epoch == 46688
+
+
+# --------------------------------------------------------------------------- states
+
+
+@pytest.mark.parametrize(
+    ("phase", "state"),
+    [
+        ("load_data", "loading"),
+        ("buckets", "loading"),
+        ("load_target", "loading"),
+        ("load_drafter", "loading"),
+        ("compile", "compiling"),
+        ("train", "training"),
+        ("eval", "evaluating"),
+        ("checkpoint", "checkpointing"),
+    ],
+)
+def test_live_phases(phase: str, state: str) -> None:
+    st = status([*START, ev(10, "phase", phase=phase)])
+    assert (st.state, st.phase, st.exit_code) == (state, phase, 0)
+    assert st.since == T0 + 10
+
+
+def test_starting_before_any_event() -> None:
+    st = status([])
+    assert st.state == "starting" and st.exit_code == 0
+
+
+def test_transitions_through_a_whole_run() -> None:
+    run = [
+        *START,
+        ev(1, "phase", phase="load_data"),
+        ev(2, "phase", phase="compile"),
+        ev(3, "phase", phase="train"),
+        step(4, 1),
+        ev(5, "phase", phase="checkpoint"),
+        ev(6, "checkpoint", step=1, path="/r/ckpt", seconds=0.5),
+        ev(7, "phase", phase="train"),
+        step(8, 2),
+        ev(9, "phase", phase="eval"),
+        ev(10, "eval", step=2, tau_mean=1.5, tau_hist=[0, 1], tau_estimate=1.7),
+        ev(11, "phase", phase="done"),
+        ev(12, "done", steps=2, seconds=12.0),
+    ]
+    seen = []
+    for n in range(len(run) + 1):
+        st = status(run[:n], RunFacts(alive=True, now=T0 + 13))
+        if not seen or seen[-1] != st.state:
+            seen.append(st.state)
+    assert seen == [
+        "starting",
+        "loading",
+        "compiling",
+        "training",
+        "checkpointing",
+        "training",
+        "evaluating",
+        "finished",
+    ]
+    ended = status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20))
+    assert (ended.state, ended.exit_code, ended.eta_s) == ("finished", 0, None)
+    assert ended.last_checkpoint is not None and ended.last_checkpoint.step == 1
+    assert ended.eval_tau == 1.5
+
+
+def test_exit_codes_are_distinct_for_unhealthy_states() -> None:
+    bad = [STATE_EXIT_CODES[s] for s in ("stopped", "stalled", "failed")]
+    assert len(set(bad)) == 3 and 0 not in bad
+    assert all(code not in range(1, 8) for code in bad)  # fleet.errors owns 1-7
+
+
+def test_killed_run_is_failed_with_its_exit_status() -> None:
+    st = status([*START, ev(1, "phase", phase="train"), step(2, 1)], RunFacts(alive=False, exit_code=137))
+    assert (st.state, st.process_exit_code, st.exit_code) == ("failed", 137, 12)
+    assert any("137" in n for n in st.notes)
+
+
+def test_process_gone_without_exit_status_is_failed() -> None:
+    st = status([*START, ev(1, "phase", phase="train")], RunFacts(alive=False))
+    assert st.state == "failed"
+
+
+def test_stopped_by_sigterm() -> None:
+    st = status([*START, ev(1, "phase", phase="stopped")], RunFacts(alive=False, exit_code=0))
+    assert (st.state, st.exit_code) == ("stopped", 10)
+
+
+def test_error_event_on_one_rank_fails_the_run() -> None:
+    events = [
+        step(1, 1, rank=0, role="drafter"),
+        step(1, 1, rank=1, role="drafter"),
+        ev(2, "error", rank=1, role="drafter", type="OutOfMemoryError",
+           message="CUDA out of memory. Tried to allocate 300.00 GiB.", traceback_tail=""),
+        ev(2.1, "phase", rank=1, role="drafter", phase="error"),
+        step(3, 2, rank=0, role="drafter"),
+    ]  # fmt: skip
+    st = status(events)
+    assert st.state == "failed" and st.last_error is not None
+    assert st.last_error.type == "OutOfMemoryError"
+    assert [d.signature for d in st.diagnosis] == ["cuda-oom"]
+
+
+def test_done_counts_only_when_every_rank_is_done() -> None:
+    starts = [
+        ev(
+            0,
+            "run_start",
+            r,
+            "drafter",
+            config="c",
+            run_dir="/r",
+            pid=r,
+            host="h",
+            world_size=2,
+            device="cpu",
+        )
+        for r in (0, 1)
+    ]
+    one_done = [
+        *starts,
+        ev(1, "phase", 0, "drafter", phase="train"),
+        ev(2, "phase", 1, "drafter", phase="train"),
+        ev(3, "phase", 0, "drafter", phase="done"),
+    ]
+    assert status(one_done).state == "training"
+    assert status([*one_done, ev(4, "phase", 1, "drafter", phase="done")]).state == "finished"
+
+
+def test_stalled_when_alive_but_nothing_moves() -> None:
+    events = [*START, ev(1, "phase", phase="train"), step(2, 1)]
+    quiet = RunFacts(alive=True, now=T0 + 1000, log_mtime=T0 + 2, events_mtime=T0 + 2)
+    st = status(events, quiet, stall_window_s=600)
+    assert (st.state, st.exit_code, st.since) == ("stalled", 11, T0 + 2)
+    # the log still growing (e.g. a progress bar) is progress: not stalled
+    growing = RunFacts(alive=True, now=T0 + 1000, log_mtime=T0 + 990, events_mtime=T0 + 2)
+    assert status(events, growing, stall_window_s=600).state == "training"
+    # within the window: not stalled
+    assert status(events, quiet, stall_window_s=5000).state == "training"
+
+
+def test_finished_run_is_never_stalled() -> None:
+    events = [*START, ev(1, "phase", phase="done")]
+    st = status(events, RunFacts(alive=True, now=T0 + 10_000), stall_window_s=1)
+    assert st.state == "finished"
+
+
+def test_offline_log_ending_in_a_traceback_is_failed() -> None:
+    st = status_from_path(LOGS / "generic_traceback.log")
+    assert st.state == "failed" and st.last_error is not None and st.last_error.type == "KeyError"
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def test_steps_loss_trend_eta_and_rates_per_role() -> None:
+    events = [*START]
+    for n in range(1, 21):
+        events.append(step(10 * n, n, loss=5.0 - 0.1 * n, rank=0, role="drafter", rate=7000.0))
+        events.append(
+            ev(
+                10 * n + 1,
+                "balance",
+                1,
+                "target",
+                window_s=10.0,
+                busy_s=6.0,
+                wait_s=4.0,
+                tokens_per_s=20000.0,
+            )
+        )
+        events.append(step(10 * n + 2, n, loss=9.9, rank=2, role="drafter", rate=6000.0))
+    st = status(events, RunFacts(alive=True, now=T0 + 205))
+    assert (st.step, st.total_steps, st.epoch) == (20, 100, 0)
+    assert st.loss == pytest.approx(3.0)  # rank 0's steps, not rank 2's
+    assert st.loss_trend is not None and st.loss_trend < 0
+    assert st.eta_s == pytest.approx(80 * 10.0)  # 10 s per step, 80 steps left
+    assert st.tokens_per_s == pytest.approx(13000.0)
+    assert dict(st.tokens_per_s_by_role) == {"drafter": 13000.0, "target": 20000.0}
+
+
+def test_compile_cache_warm_start_with_misses_is_flagged() -> None:
+    cache = {"fxgraph_hit": 10, "fxgraph_miss": 2, "aotautograd_hit": 10, "aotautograd_miss": 0}
+    st = status([*START, ev(1, "compile_cache", **cache)])
+    assert st.compile_cache is not None and st.compile_cache.warm_with_misses
+    assert any("warm compile cache" in n for n in st.notes)
+    cold = {"fxgraph_hit": 0, "fxgraph_miss": 12, "aotautograd_hit": 0, "aotautograd_miss": 12}
+    assert not status([*START, ev(1, "compile_cache", **cold)]).compile_cache.warm_with_misses
+
+
+# --------------------------------------------------------------------------- tolerant parsing
+
+
+def test_truncated_torn_nul_and_foreign_lines_are_skipped() -> None:
+    good = [*START, ev(1, "phase", phase="train"), step(2, 7)]
+    text = '"rank": 0, "event": "step"}\n' + "\n".join(good) + "\n\x00\x00garbage\n"
+    text += json.dumps({"v": 2, "ts": T0, "event": "step"}) + "\n" + good[-1][:25]
+    parsed = parse_events(text, truncated=True)
+    assert len(parsed.events) == 3 and parsed.skipped == 3
+    st = build_status("t", ALIVE, text, "", events_truncated=True)
+    assert st.step == 7 and st.state == "training"
+    assert any("skipped" in n for n in st.notes)
+
+
+def test_nan_loss_is_null_in_json() -> None:
+    st = status([*START, step(1, 1, loss=math.nan)])
+    data = json.loads(json.dumps(st.to_json(), allow_nan=False))
+    assert data["loss"] is None
+
+
+def test_json_has_the_documented_keys() -> None:
+    log = (LOGS / "recompile_limit.log").read_text()
+    data = status([*START, step(1, 1)], RunFacts(alive=False, exit_code=1), log=log).to_json()
+    for key in (
+        "state",
+        "phase",
+        "step",
+        "loss",
+        "tokens_per_s",
+        "diagnosis",
+        "exit_code",
+        "buckets",
+        "eta_s",
+    ):
+        assert key in data
+    assert data["state"] == "failed" and data["exit_code"] == 12
+    assert [set(d) >= {"cause", "fix"} for d in data["diagnosis"]] == [True, True]
+    json.dumps(data, allow_nan=False)
+
+
+def test_text_shows_the_picture() -> None:
+    events = [*START, ev(1, "phase", phase="train"), step(2, 5)]
+    st = status(events, RunFacts(run_id="r1", release="20261130T000000Z-abc1234", alive=True, now=T0 + 3),
+                log=(LOGS / "startup_fieldnotes.log").read_text())  # fmt: skip
+    text = render_text(st, now=T0 + 3)
+    for part in ("r1", "20261130T000000Z-abc1234", "training", "5/100", "Batches per epoch: 46688", "19580"):
+        assert part in text
+
+
+# --------------------------------------------------------------------------- fetch + --log
+
+
+def test_fetch_script_on_a_real_run_dir(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "20261130T000000Z-tiny-cpu"
+    run.mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to(run.name)
+    (run / "run.json").write_text(json.dumps({"release_id": "20261130T000000Z-abc1234"}))
+    (run / "exit_code").write_text("137\n")
+    big = lines(*START, ev(1, "phase", phase="train"), *(step(2 + i, i + 1) for i in range(400)))
+    (run / "events.jsonl").write_text(big)
+    (run / "train.log").write_text("x" * 5000 + "\n" + (LOGS / "cuda_oom.log").read_text())
+    argv = fetch_argv(str(tmp_path), "/nonexistent/tmux", "", "@@B", tail_bytes=4096)
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    got = parse_fetch(out, "@@B", tail_bytes=4096)
+    assert got.facts.run_id == run.name and got.facts.exit_code == 137 and got.facts.alive is False
+    assert got.facts.release == "20261130T000000Z-abc1234"
+    assert got.events_truncated and len(got.events_text.encode()) <= 4096
+    st = build_status("t", got.facts, got.events_text, got.log_text, events_truncated=True)
+    assert st.state == "failed" and st.step == 400
+    assert [d.signature for d in st.diagnosis] == ["cuda-oom"]
+
+
+def test_fetch_with_no_run_and_a_cut_answer(tmp_path: Path) -> None:
+    argv = fetch_argv(str(tmp_path), "tmux", "", "@@B")
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    assert parse_fetch(out, "@@B").facts.run_id == ""
+    with pytest.raises(RunError):
+        parse_fetch(out.split("@@B end")[0], "@@B")
+
+
+def test_fetch_script_takes_paths_as_arguments_only(tmp_path: Path) -> None:
+    workdir = tmp_path / "w $(touch PWNED1); touch PWNED2 `touch PWNED3`"
+    run = workdir / "runs" / "r1"
+    run.mkdir(parents=True)
+    (workdir / "runs" / "latest").symlink_to("r1")
+    (run / "events.jsonl").write_text(lines(*START))
+    argv = fetch_argv(str(workdir), "tmux", "", "@@B")
+    assert argv[:3] == ["sh", "-c", FETCH_SCRIPT] and str(workdir) in argv[4:]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert parse_fetch(out, "@@B").facts.run_id == "r1"
+    assert not list(tmp_path.glob("PWNED*"))
+
+
+def test_gpu_rows_with_roles_from_the_recorded_nvidia_smi() -> None:
+    text = (REPO / "tests" / "fixtures" / "nvidia-smi" / "h200x2" / "query_busy.csv").read_text()
+    rows = gpu_rows_from_csv(text, targets=1)
+    assert [(g.index, g.role, g.memory_used_mib, g.memory_total_mib) for g in rows] == [
+        (0, "target", 8719, 143771),
+        (1, "drafter", 4, 143771),
+    ]
+
+
+def test_log_path_run_dir_events_file_and_missing(tmp_path: Path) -> None:
+    (tmp_path / "events.jsonl").write_text(lines(*START, ev(1, "phase", phase="compile")))
+    (tmp_path / "train.log").write_text((LOGS / "startup_fieldnotes.log").read_text())
+    st = status_from_path(tmp_path)
+    assert st.state == "compiling" and st.buckets is not None
+    assert status_from_path(tmp_path / "events.jsonl").state == "compiling"
+    with pytest.raises(ConfigError):
+        status_from_path(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------- the task, --watch
+
+
+def test_watch_refreshes_in_place_until_the_run_is_final() -> None:
+    answers = [
+        status([*START, ev(1, "phase", phase="train"), step(2, 1)]),
+        status([*START, ev(1, "phase", phase="train"), step(2, 2)]),
+        status([*START, ev(1, "phase", phase="done")], RunFacts(alive=False, exit_code=0)),
+    ]
+    calls = []
+
+    def get():
+        calls.append(1)
+        return answers[len(calls) - 1]
+
+    assert watch_live(get, 0.01).state == "finished"
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, None), (True, 5.0), ("", 5.0), ("2.5", 2.5)])
+def test_watch_interval(value: Any, seconds: float | None) -> None:
+    assert watch_interval(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "99999"])
+def test_bad_watch_interval_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match="--watch"):
+        watch_interval(value)
+
+
+def test_task_with_log_prints_json_and_returns_the_state_code(capsys: pytest.CaptureFixture[str]) -> None:
+    code = status_task(None, as_json=True, log=str(LOGS / "nccl_timeout.log"))
+    data = json.loads(capsys.readouterr().out)
+    assert code == data["exit_code"] == 12 and data["state"] == "failed"
+    assert [d["signature"] for d in data["diagnosis"]] == ["nccl-timeout", "rank-died"]
+
+
+def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path: Path) -> None:
+    """deploy + train the selftest on the local target, then `fab status --json` until finished."""
+    from conftest import render_inventory, run_fab
+
+    target = {
+        "host": "local",
+        "workdir": str(tmp_path / "wd"),
+        "gpus": 0,
+        "env": "",
+        "run": {"module": "training.selftest", "config": "selftest", "overrides": ["--selftest.steps=6",
+                "--selftest.step_seconds=0.2"], "env": {}},
+        "commands": {"python": str(REPO / ".venv" / "bin" / "python")},
+    }  # fmt: skip
+    config = tmp_path / "fleet.toml"
+    config.write_text(render_inventory({"loc": target}, "loc"))
+    env = {"TMUX_TMPDIR": str(local_tmux.socket_dir)}
+    for args in (["deploy"], ["train"]):
+        result = run_fab(args, config, env=env)
+        assert result.returncode == 0, result.stderr
+    seen: list[str] = []
+    for _ in range(200):  # a generous bound on polls, not a timing
+        result = run_fab(["status", "--json"], config, env=env)
+        data = json.loads(result.stdout)
+        seen.append(data["state"])
+        if data["state"] == "finished":
+            break
+        time.sleep(0.3)
+    assert seen[-1] == "finished" and result.returncode == 0
+    assert data["step"] == 6 and data["run_id"] and data["release"]
+    text = run_fab(["status"], config, env=env)
+    assert "finished" in text.stdout and "6/6" in text.stdout
+
+
+def test_fetch_status_on_a_local_target_with_the_nvidia_smi_shim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real fetch through a LocalTarget: GPU rows come from the shim, roles from the topology."""
+    from fleet.inventory import Commands, TargetSpec, Topology
+    from fleet.status_cli import fetch_status
+    from fleet.target import open_target
+
+    fixture = REPO / "tests" / "fixtures" / "nvidia-smi" / "busy"
+    monkeypatch.setenv("FLEET_NVSMI_FIXTURE_DIR", str(fixture))
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))  # no tmux server there: the pane is gone
+    run = tmp_path / "wd" / "runs" / "r1"
+    run.mkdir(parents=True)
+    (tmp_path / "wd" / "runs" / "latest").symlink_to("r1")
+    (run / "events.jsonl").write_text(lines(*START, ev(1, "phase", phase="train"), step(2, 3)))
+    (run / "exit_code").write_text("1\n")
+    (run / "train.log").write_text((LOGS / "nccl_timeout.log").read_text())
+    expected = parse_query_gpu((fixture / "query.csv").read_text()).gpus
+    spec = TargetSpec(
+        name="gpu-local",
+        host="local",
+        workdir=str(tmp_path / "wd"),
+        commands=Commands(nvidia_smi=str(REPO / "tests" / "shims" / "nvidia-smi")),
+        gpus=len(expected),
+        topology=Topology(1, len(expected) - 1),
+    )
+    with open_target(spec) as target:
+        st = fetch_status(target)
+    assert (st.state, st.process_exit_code, st.step) == ("failed", 1, 3)
+    assert [(g.index, g.role, g.memory_used_mib) for g in st.gpus] == [
+        (g.index, "target" if g.index == 0 else "drafter", g.memory_used_mib) for g in expected
+    ]
+    assert [d.signature for d in st.diagnosis] == ["nccl-timeout", "rank-died"]
+
+
+def test_all_targets_table_has_one_row_per_target() -> None:
+    import io
+
+    from rich.console import Console
+
+    from fleet.status_cli import summary_table
+
+    ok = status([*START, ev(1, "phase", phase="train"), step(2, 4)])
+    rows = [("a", ok), ("b", RunError("b: no run under /w/runs: start one with `fab train`"))]
+    console = Console(file=io.StringIO(), width=150, color_system=None)
+    console.print(summary_table(rows))
+    out = console.file.getvalue()
+    assert "training" in out and "4/100" in out and "no run under /w/runs" in out

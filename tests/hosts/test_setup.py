@@ -1,0 +1,42 @@
+"""tests/hosts/setup is idempotent: a second run reuses sshd, the rootfs cache and the container."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import TestHost
+
+pytestmark = pytest.mark.hosts
+
+SETUP = Path(__file__).resolve().with_name("setup")
+STATE = Path(__file__).resolve().with_name(".state")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="tests/hosts/setup needs root")
+def test_second_setup_run_changes_nothing(hosts: TestHost) -> None:
+    env_before = (STATE / "hosts.env").read_text()
+    pid_before = Path(hosts.sshd_pidfile).read_text()
+    result = subprocess.run([str(SETUP)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "sshd already running" in result.stderr
+    assert "rootfs cache" in result.stderr and "reused" in result.stderr
+    assert f"container {hosts.ct_name} already running" in result.stderr
+    assert Path(hosts.sshd_pidfile).read_text() == pid_before
+    assert (STATE / "hosts.env").read_text() == env_before
+
+
+def test_setup_rejects_unknown_arguments() -> None:
+    result = subprocess.run(
+        [str(SETUP), "--frobnicate"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 1
+    if os.geteuid() == 0:
+        assert "unknown argument '--frobnicate'" in result.stderr
+    else:
+        assert "run as root" in result.stderr

@@ -1,0 +1,119 @@
+"""``python -m training {train,eval}`` — the trainer's command line (runs on the target).
+
+    python -m training train --config NAME|PATH --run-dir DIR [--section.key=value ...]
+    python -m training eval  --run-dir DIR
+
+Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
+override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
+no traceback. Any other failure writes an ``error`` event and re-raises (traceback, exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from training.config import TrainingError
+from training.events import EventWriter
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m training", description="DFlash drafter trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (or resume) a drafter; overrides: --section.key=value")
+    train.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
+    train.add_argument(
+        "--run-dir", required=True, type=Path, help="the run directory (resumes if it has checkpoints)"
+    )
+    train.add_argument(
+        "--topology",
+        default="",
+        metavar="N+M",
+        help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
+    )
+    sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.plan)")
+    evaluate = sub.add_parser("eval", help="measure real acceptance of the newest checkpoint of a run")
+    evaluate.add_argument("--run-dir", required=True, type=Path)
+    warm = sub.add_parser("warm", help="compile every shape of a config into a compile cache (training.warm)")
+    warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
+    warm.add_argument("--cache-dir", default="", help="the cache root (default $FLEET_COMPILE_CACHE)")
+    warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
+    return parser
+
+
+def _record_error(run_dir: Path | None, exc: BaseException) -> None:
+    """An ``error`` event and ``phase: error`` in the run dir (best effort: the dir may be bad)."""
+    if run_dir is None:
+        return
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
+    try:
+        with EventWriter(run_dir) as events:
+            events.emit("error", type=type(exc).__name__, message=message, traceback_tail=tail)
+            events.phase("error")
+    except OSError as write_error:
+        print(f"(could not record the error in {run_dir}: {write_error})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from training.plan import main as plan_main
+
+        return plan_main(argv[1:])
+    args, extra = _parser().parse_known_args(argv)
+    run_dir: Path | None = getattr(args, "run_dir", None)
+    try:
+        if args.command == "train":
+            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+            if bad:
+                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
+            if args.topology or _config_topology(args.config, extra):
+                from training.distributed import train_distributed
+
+                return train_distributed(args.config, run_dir, extra, args.topology)
+            from training.train import train
+
+            train(args.config, run_dir, extra)
+        elif args.command == "warm":
+            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+            if bad:
+                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
+            from training.warm import warm_main
+
+            return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
+        else:
+            if extra:
+                raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir")
+            from training.config import read_config
+            from training.trainer import evaluate_run
+
+            evaluate_run(read_config(run_dir), run_dir)
+    except TrainingError as exc:
+        _record_error(run_dir, exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit | KeyboardInterrupt):
+            _record_error(run_dir, exc)
+        raise
+    return 0
+
+
+def _config_topology(config_name: str, overrides: list[str]) -> str:
+    """``pipeline.topology`` of the run config ("" = single process)."""
+    from training.config import load_config
+
+    return load_config(config_name, overrides).pipeline.topology
+
+
+def raise_usage(message: str) -> None:
+    from training.config import ConfigError
+
+    raise ConfigError(message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

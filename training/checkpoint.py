@@ -1,0 +1,130 @@
+"""Checkpoints: written atomically, the last K kept, the newest complete one found on resume.
+
+A checkpoint is one file ``<run-dir>/checkpoints/step-00000123.pt`` holding everything a
+resumed run needs to continue exactly where the killed one stopped: the drafter's own
+weights (not the shared frozen embedding / lm_head), optimizer and scheduler state, the data
+position of the next batch, the RNG states and the step. It is written to a temp file in the
+same folder, fsync'd, renamed into place and the folder fsync'd: a ``kill -9`` at any moment
+leaves either the previous checkpoints or the new one, never a torn file under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    step: int
+    path: Path
+    seconds: float
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINT_DIR
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first (temp files are not listed)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _NAME.match(path.name)
+        if match:
+            found.append((int(match[1]), path))
+    return sorted(found)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    # RNG states are CPU byte tensors even when the checkpoint was mapped to a GPU.
+    torch.random.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> SavedCheckpoint:
+    """Write ``state`` as the checkpoint of ``step`` atomically; then keep only the last ``keep``."""
+    started = time.monotonic()
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(run_dir, step)
+    tmp = folder / f".{final.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as handle:
+        torch.save({**state, "step": step, "rng": rng_state()}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(folder)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return SavedCheckpoint(step=step, path=final.resolve(), seconds=time.monotonic() - started)
+
+
+def remove_stale_temps(run_dir: Path) -> int:
+    """Delete temp files left by a process killed while writing; returns how many."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return 0
+    stale = [p for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
+def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+    """The newest checkpoint's state (with ``step`` and ``path``), or None when there is none."""
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        return None
+    step, path = checkpoints[-1]
+    # weights_only=False: the state holds Python/numpy RNG states; the file is our own.
+    state = torch.load(path, map_location=map_location, weights_only=False)
+    state["path"] = str(path.resolve())
+    if state.get("step") != step:
+        raise ValueError(f"checkpoint {path} says step {state.get('step')}, its name says {step}")
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore the RNG states stored in a checkpoint."""
+    if "rng" in state:
+        set_rng_state(state["rng"])

@@ -1,0 +1,388 @@
+"""Run configuration: typed frozen dataclasses, loaded from TOML, overridden from the command line.
+
+``load_config("tiny-cpu", ["--train.steps=50"])`` reads ``training/configs/tiny-cpu.toml``
+(or a path), applies the overrides and returns a ``RunConfig``. Every key is checked:
+an unknown section or key, or a value of the wrong type, raises ``ConfigError`` with one
+line that names ``section.key`` and says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class TrainingError(Exception):
+    """Base of the errors a user of the trainer can cause; one line, exit ``exit_code``."""
+
+    exit_code = 1
+
+
+class ConfigError(TrainingError):
+    """A config file, an override or a model folder is wrong (exit 2)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The frozen target. ``kind``: ``tiny`` (built, saved and loaded from ``cache_dir``),
+    ``random`` (built from the shape below with random weights, nothing saved) or
+    ``pretrained`` (``path`` = a local Hugging Face folder)."""
+
+    kind: str = "tiny"
+    path: str = ""
+    cache_dir: str = ""  # "" = $FLEET_TRAINING_CACHE or ~/.cache/fleet-training
+    device: str = "auto"  # auto = cuda if available else cpu
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 1024  # tiny: the BPE tokenizer's vocabulary; random: the model's
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02  # random init std (tiny: ~1/sqrt(hidden), a real model's logit scale)
+    tokenizer_path: str = ""  # random/pretrained: tokenizer folder ("" = the model's, else the tiny one)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    """DFlash drafter (handed to ``training.drafter.DrafterConfig`` by field name)."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    sliding_window: int = 2048
+    full_attention_layers: tuple[int, ...] = (4,)  # the others slide over sliding_window
+    gamma: float = 7.0
+    loss_chunk_size: int = 2048
+    target_layer_ids: tuple[int, ...] = ()  # () = DFlash's rule: 5 layers spread over the depth
+    num_target_layers: int = 5
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Training data. ``path`` "" = the default corpus (Python stdlib sources as completions)."""
+
+    path: str = ""
+    cache_dir: str = ""  # "" = <run-dir>/data-cache
+    max_length: int = 512
+    token_budget: int = 4096  # tokens per batch (padded length x sequences)
+    max_batch_size: int = 64
+    num_buckets: int = 6
+    eval_prompts: int = 16  # held out from the data for acceptance eval
+    seed: int = 0
+    corpus_files: int = 400  # default corpus: how many stdlib files
+    corpus_prompt_lines: int = 8
+    corpus_chunk_lines: int = 40
+    num_proc: int = 1
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    torch_threads: int = 0  # 0 = leave torch's default
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 100  # steps; 0 = only at the end / on SIGTERM
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    every: int = 0  # steps; 0 = only at the end
+    num_prompts: int = 8
+    prompt_tokens: int = 64
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class WandbSection:
+    enabled: bool = False
+    mode: str = "offline"  # offline (files in the run dir) | online
+    project: str = "fleet-dflash"
+    entity: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class CompileSection:
+    enabled: str = "auto"  # auto = on GPU only | on | off
+    recompile_limit: int = 0  # 0 = from the number of length buckets
+    fail_on_recompile: bool = False  # pre-warm every shape, then set_stance("fail_on_recompile")
+    mode: str = "default"
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """N+M topology (issue 8, training.topology / training.distributed); "" = single process."""
+
+    topology: str = ""  # "5+3": 5 target ranks + 3 drafter ranks under torchrun (or --topology)
+    order: str = "free"  # free = drafters take whichever batch is ready | fixed = global order
+    credits: int = 2  # batches in flight per (target, drafter) pair (backpressure)
+    timeout_s: float = 600.0  # collective / point-to-point timeout: a dead rank ends the job
+    balance_window_s: float = 30.0  # seconds per `balance` event
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "custom"
+    model: ModelSection = field(default_factory=ModelSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "drafter": DrafterSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "checkpoint": CheckpointSection,
+    "eval": EvalSection,
+    "wandb": WandbSection,
+    "compile": CompileSection,
+    "pipeline": PipelineSection,
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.kind": ("tiny", "random", "pretrained"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "wandb.mode": ("offline", "online"),
+    "compile.enabled": ("auto", "on", "off"),
+    "pipeline.order": ("free", "fixed"),
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is tuple:
+        return "list of integers"
+    return {int: "integer", float: "number", str: "string", bool: "true/false"}.get(kind, str(kind))
+
+
+def _coerce_typed(key: str, kind: Any, value: Any) -> Any:
+    """A TOML value checked against the field's type (ints widen to floats, lists to tuples)."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return value
+    if typing.get_origin(kind) is tuple and isinstance(value, list):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return tuple(value)
+    raise ConfigError(
+        f"config key {key}: expected {_type_name(kind)}, got {value!r:.40} ({type(value).__name__})"
+    )
+
+
+def _coerce_text(key: str, kind: Any, text: str) -> Any:
+    """A command-line override value (always text) converted to the field's type."""
+    try:
+        if kind is str:
+            return text
+        if kind is bool:
+            lowered = text.strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if typing.get_origin(kind) is tuple:
+            stripped = text.strip().removeprefix("[").removesuffix("]").strip()
+            return tuple(int(part) for part in stripped.split(",") if part.strip())
+    except ValueError:
+        pass
+    raise ConfigError(f"override --{key}={text}: expected {_type_name(kind)}")
+
+
+def _check_choice(key: str, value: Any) -> None:
+    choices = CHOICES.get(key)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"config key {key}: {value!r} is not one of {', '.join(choices)}")
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """``tiny-cpu`` -> training/configs/tiny-cpu.toml; anything with a / or .toml is a path."""
+    if "/" in name_or_path or name_or_path.endswith(".toml"):
+        path = Path(name_or_path).expanduser()
+    else:
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+        raise ConfigError(f"config {name_or_path!r} not found ({path}); known configs: {known}")
+    return path
+
+
+def parse_overrides(args: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """``--section.key=value`` strings -> (section, key, text); anything else is an error."""
+    parsed: list[tuple[str, str, str]] = []
+    for arg in args:
+        body = arg[2:] if arg.startswith("--") else ""
+        dotted, sep, text = body.partition("=")
+        section, dot, key = dotted.partition(".")
+        if not sep or not dot or not section or not key:
+            raise ConfigError(f"override {arg!r}: expected --section.key=value (e.g. --train.steps=50)")
+        parsed.append((section, key, text))
+    return parsed
+
+
+def build_config(
+    raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), name: str = "custom"
+) -> RunConfig:
+    """A ``RunConfig`` from parsed TOML (``raw``) plus overrides; every key and type checked."""
+    values: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for section, body in raw.items():
+        if section == "name":
+            if not isinstance(body, str):
+                raise ConfigError(f"config key name: expected string, got {body!r:.40}")
+            name = body
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"config section [{section}] is unknown; known: {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"config key {section}: expected a [{section}] table")
+        types_ = _field_types(SECTIONS[section])
+        for key, value in body.items():
+            if key not in types_:
+                raise ConfigError(
+                    f"config key {section}.{key} is unknown; known keys of [{section}]: {', '.join(types_)}"
+                )
+            values[section][key] = _coerce_typed(f"{section}.{key}", types_[key], value)
+    for section, key, text in parse_overrides(overrides):
+        if section not in SECTIONS:
+            raise ConfigError(f"override --{section}.{key}: unknown section; known: {', '.join(SECTIONS)}")
+        types_ = _field_types(SECTIONS[section])
+        if key not in types_:
+            raise ConfigError(
+                f"override --{section}.{key}: unknown key; known keys of {section}: {', '.join(types_)}"
+            )
+        values[section][key] = _coerce_text(f"{section}.{key}", types_[key], text)
+    for section, body in values.items():
+        for key, value in body.items():
+            _check_choice(f"{section}.{key}", value)
+    built = {section: SECTIONS[section](**body) for section, body in values.items()}
+    config = RunConfig(name=name, **built)
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+    positive = {
+        "train.steps": config.train.steps,
+        "data.max_length": config.data.max_length,
+        "data.token_budget": config.data.token_budget,
+        "data.max_batch_size": config.data.max_batch_size,
+        "data.num_buckets": config.data.num_buckets,
+        "drafter.num_layers": config.drafter.num_layers,
+        "drafter.num_anchors": config.drafter.num_anchors,
+        "train.log_every": config.train.log_every,
+        "checkpoint.keep": config.checkpoint.keep,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key {key}: must be > 0, got {value}")
+    if config.drafter.block_size < 2:
+        raise ConfigError(f"config key drafter.block_size: must be >= 2, got {config.drafter.block_size}")
+    if config.data.token_budget < config.data.max_length:
+        raise ConfigError(
+            f"config key data.token_budget ({config.data.token_budget}) must be >= data.max_length "
+            f"({config.data.max_length}) so the longest sequence fits one batch"
+        )
+    if config.model.kind == "pretrained" and not config.model.path:
+        raise ConfigError("config key model.path: required when model.kind = 'pretrained' (a local folder)")
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML config by name or path, apply ``--section.key=value`` overrides, validate."""
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path}: invalid TOML: {exc}") from None
+    default_name = path.stem if path.parent == CONFIG_DIR else str(path)
+    return build_config(raw, overrides, name=default_name)
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Inverse of ``config_to_dict`` (for config.json in a run dir)."""
+    return build_config(dict(data), name=str(data.get("name", "custom")))
+
+
+def write_config(config: RunConfig, run_dir: Path) -> Path:
+    """The resolved config as ``<run_dir>/config.json`` (written atomically)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def read_config(run_dir: Path) -> RunConfig:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: is {run_dir} a run dir of `python -m training train`?")
+    return config_from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+__all__ = [
+    "CONFIG_DIR",
+    "CheckpointSection",
+    "CompileSection",
+    "ConfigError",
+    "DataSection",
+    "DrafterSection",
+    "EvalSection",
+    "ModelSection",
+    "RunConfig",
+    "TrainSection",
+    "TrainingError",
+    "WandbSection",
+    "build_config",
+    "load_config",
+    "read_config",
+    "write_config",
+]

@@ -1,0 +1,276 @@
+"""The N+M topology: which rank does what, and the process groups that connect them.
+
+``--topology 5+3`` under ``torchrun --nproc-per-node=8`` runs one process per GPU:
+
+    ranks 0 .. N-1      targets   (frozen target forward, send hidden states)
+    ranks N .. N+M-1    drafters  (receive hidden states, train the drafter with DDP)
+
+Several hosts: ``torchrun --nnodes=H --node-rank=I --rdzv-backend=c10d
+--rdzv-endpoint=HOST0:29500 --nproc-per-node=G -m training train ... --topology N+M``
+with ``N + M = H * G``; global ranks are assigned node by node, so with 2 hosts of 4 GPUs
+and ``5+3`` host 0 runs targets 0-3 and host 1 runs target 4 and the 3 drafters. Each
+process uses ``cuda:LOCAL_RANK`` (one GPU per process, never threads: field notes).
+
+Groups (created in the same order on every rank, as torch.distributed requires):
+
+    world     backend NCCL on GPU / gloo on CPU: the hidden-state payloads (point to point)
+    control   gloo over all ranks: headers and credits (small CPU tensors). Kept apart from
+              the payload channel because NCCL runs sends and receives between one pair of
+              ranks on one stream in posting order: a pre-posted credit receive would block
+              the next payload send (deadlock). Gloo receives do not block sends.
+    drafters  the drafter ranks, world backend: DDP's gradient all-reduce
+    drafters_ctl  gloo over the drafter ranks: the per-step "stop now?" vote
+
+Every collective has the process-group timeout (``timeout_s``); point-to-point waits are
+polled against the same deadline (training.pipeline), so a dead or stuck rank ends the
+job in bounded time with an ``error`` event naming the rank, its role and host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.config import ConfigError, RunConfig
+
+STARTUP_TIMEOUT_S = 1800.0
+_TOPOLOGY = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``targets`` target ranks and ``drafters`` drafter ranks."""
+
+    targets: int
+    drafters: int
+
+    @property
+    def world_size(self) -> int:
+        return self.targets + self.drafters
+
+    def __str__(self) -> str:
+        return f"{self.targets}+{self.drafters}"
+
+    def role_of(self, rank: int) -> tuple[str, int]:
+        """(role, index within the role) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside topology {self} (ranks 0..{self.world_size - 1})")
+        if rank < self.targets:
+            return "target", rank
+        return "drafter", rank - self.targets
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.targets))
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.targets, self.world_size))
+
+
+def parse_topology(text: str) -> Topology:
+    """``"5+3"`` -> Topology(5, 3); ``ConfigError`` (one line) for anything else."""
+    match = _TOPOLOGY.match(text or "")
+    if not match:
+        raise ConfigError(f"--topology {text!r}: expected N+M (target ranks + drafter ranks), e.g. 5+3")
+    targets, drafters = int(match[1]), int(match[2])
+    if targets < 1 or drafters < 1:
+        raise ConfigError(f"--topology {text!r}: needs at least one target and one drafter rank (e.g. 1+1)")
+    return Topology(targets, drafters)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who a rank is; gathered from every rank at start-up so errors can name a peer."""
+
+    rank: int
+    role: str
+    index: int
+    host: str
+    pid: int
+    device: str
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank} ({self.role} {self.index} on host {self.host}, pid {self.pid}, {self.device})"
+        )
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job plus the groups (``None`` groups mean "world")."""
+
+    topology: Topology
+    rank: int
+    local_rank: int
+    role: str
+    index: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    control: Any  # gloo ProcessGroup over all ranks
+    startup: Any  # gloo over all ranks, timeout STARTUP_TIMEOUT_S: barriers around model loading
+    drafters: Any  # ProcessGroup over the drafter ranks (world backend)
+    drafters_ctl: Any  # gloo ProcessGroup over the drafter ranks
+    pair_ctl: dict[int, Any]  # peer rank -> gloo 2-rank group (headers, credits)
+    pair_data: dict[int, Any]  # peer rank -> world-backend 2-rank group (payloads)
+    peers: tuple[RankInfo, ...]
+
+    @property
+    def me(self) -> RankInfo:
+        return self.peers[self.rank]
+
+    def describe(self, rank: int) -> str:
+        if 0 <= rank < len(self.peers):
+            return self.peers[rank].describe()
+        role, index = self.topology.role_of(rank)
+        return f"rank {rank} ({role} {index})"
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) set by torchrun; ``ConfigError`` when not under torchrun."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"--topology needs torchrun ({', '.join(missing)} unset): run "
+            "`python -m torch.distributed.run --nproc-per-node=N+M -m training train ... --topology N+M`"
+        )
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except ValueError as exc:
+        raise ConfigError(f"torchrun environment is malformed ({exc})") from None
+
+
+def rank_device(config: RunConfig, local_rank: int) -> torch.device:
+    """``cuda:LOCAL_RANK`` when the run config puts the model on a GPU, else ``cpu``."""
+    wanted = config.model.device
+    use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted.startswith("cuda")
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"model.device={wanted}: no CUDA device visible; use --model.device=cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
+            "--nproc-per-node must not exceed the GPUs of the host"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def rank_config(config: RunConfig, device: torch.device) -> RunConfig:
+    """The run config with ``model.device`` pinned to this rank's device."""
+    return replace(config, model=replace(config.model, device=str(device)))
+
+
+def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) -> DistContext:
+    """Join the job (torchrun env), create the groups, gather every rank's identity."""
+    rank, world_size, local_rank = torchrun_env()
+    if world_size != topology.world_size:
+        raise ConfigError(
+            f"--topology {topology} needs {topology.world_size} processes but torchrun started "
+            f"{world_size}: use --nproc-per-node={topology.world_size} (times --nnodes)"
+        )
+    role, index = topology.role_of(rank)
+    device = rank_device(config, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # No device_id (eager init): lazily created communicators keep each 2-rank group's
+        # sends and receives on their own NCCL communicator and stream.
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    # Loading a large target takes minutes and differs per role: its own, longer timeout.
+    startup = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+    drafters = dist.new_group(topology.drafter_ranks, backend=backend, timeout=timeout)
+    drafters_ctl = (
+        drafters
+        if backend == "gloo"
+        else dist.new_group(topology.drafter_ranks, backend="gloo", timeout=timeout)
+    )
+    pair_ctl: dict[int, Any] = {}
+    pair_data: dict[int, Any] = {}
+    for t in topology.target_ranks:
+        for d in topology.drafter_ranks:
+            ctl = dist.new_group([t, d], backend="gloo", timeout=timeout)
+            # Separate even on gloo: a header receive posted ahead must never match a payload.
+            data = dist.new_group([t, d], backend=backend, timeout=timeout)
+            if rank in (t, d):
+                peer = d if rank == t else t
+                pair_ctl[peer], pair_data[peer] = ctl, data
+    me = RankInfo(rank, role, index, socket.gethostname(), os.getpid(), str(device))
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, me, group=control)
+    return DistContext(
+        topology=topology,
+        rank=rank,
+        local_rank=local_rank,
+        role=role,
+        index=index,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+        control=control,
+        startup=startup,
+        drafters=drafters,
+        drafters_ctl=drafters_ctl,
+        pair_ctl=pair_ctl,
+        pair_data=pair_data,
+        peers=tuple(gathered),
+    )
+
+
+def shutdown() -> None:
+    """Leave the job (no-op when never joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(argv: list[str]) -> int:
+    """``python -m training.topology ARGS``: torchrun with the same ARGS, for which SIGTERM/SIGINT
+    is a stop, not a failure.
+
+    ``fab stop`` signals the run's process group: every rank gets SIGTERM, finishes its step,
+    the drafters checkpoint and every rank writes ``phase: stopped`` and exits 0; torchrun itself
+    raises ``SignalException`` after stopping its workers (waiting up to 30 s, then SIGKILL), which
+    would make the run's exit code 1 ("failed"). Here that is exit 0; a worker failure
+    (``ChildFailedError``) still exits non-zero.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"torchrun: {name}: the ranks were asked to checkpoint and stop", file=sys.stderr, flush=True)
+    return 0
+
+
+__all__ = [
+    "DistContext",
+    "RankInfo",
+    "Topology",
+    "init_distributed",
+    "launch",
+    "parse_topology",
+    "rank_config",
+    "rank_device",
+    "shutdown",
+    "torchrun_env",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))

@@ -1,0 +1,325 @@
+"""``python -m training warm``: compile every shape of a run before the run (and smoke-test it).
+
+    python -m training warm --config NAME|PATH --cache-dir ROOT [--if-needed] [--section.key=value ...]
+
+One process (one per GPU type) builds the run's data plan and a drafter exactly as the
+trainer does, then runs one optimizer-free training step (forward + backward under the
+trainer's autocast) for every distinct compiled shape, serially, printing progress per
+shape: on GPU that is ``create_block_mask`` + ``flex_attention`` forward and backward with
+the run's BlockMask for every (bucket, batch size) x mask variant; on CPU, where torch 2.13
+has no flex backward, the compiled blockwise attention (``training.attention``). The chunked
+loss runs too (it is not compiled: its chunk length depends on the batch's labels). Then
+the Mega-Cache blob (``torch.compiler.save_cache_artifacts``) and ``manifest.json`` (with
+``complete: true``) are written into ``ROOT/<key>/`` (``training.compile_cache``).
+
+Shapes: the trainer pads each batch to its bucket's length, and a bucket's batches hold
+``min(max_batch_size, token_budget // length)`` sequences except the bucket's last batch,
+which holds the rest, so a bucket has one or two batch sizes (the same in every epoch).
+Compiled code is specialised on all of them (``dynamic=False``), so all are warmed, at the
+real batch size: a smaller batch would compile a shape the run never uses.
+
+The target model is not loaded: a stand-in with the target's embedding/lm_head shapes and
+random hidden states feeds the drafter (the compiled graphs depend on shapes and dtypes
+only), so warming takes seconds to load instead of minutes and needs one GPU's memory for
+the drafter alone.
+
+``prepare_trainer`` is the trainer's hook: it activates the cache before the first compile
+and, with ``compile.fail_on_recompile = true``, pre-warms every shape in-process (serially,
+before any thread starts) and then sets ``torch.compiler.set_stance("fail_on_recompile")``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from training import attention
+from training.compile_cache import (
+    CacheDir,
+    CounterReporter,
+    Manifest,
+    ShapeRecord,
+    activate,
+    cache_counters,
+    format_counters,
+    resolve_root,
+    save_blob,
+    start,
+    triton_version,
+)
+from training.config import ConfigError, RunConfig, config_to_dict, load_config
+from training.drafter import DFlashDrafter, sample_anchors
+
+if TYPE_CHECKING:
+    from training.buckets import EpochPlanner
+    from training.trainer import Trainer
+
+Echo = Callable[[str], None]
+SHAPE_SECTIONS = ("model", "drafter", "data", "compile")  # what the compiled shapes depend on
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
+def compile_shapes(planner: EpochPlanner) -> list[ShapeRecord]:
+    """Every distinct (bucket, batch size, padded length) the trainer will run, in bucket order."""
+    seen = sorted({(int(bucket), len(indices)) for bucket, indices in planner.plan(0)})
+    return [ShapeRecord(bucket, size, planner.padded_length(bucket)) for bucket, size in seen]
+
+
+def num_compiled_shapes(planner: EpochPlanner) -> int:
+    """How many shapes each compiled function sees (the recompile limit's 'buckets')."""
+    return max(1, len(compile_shapes(planner)))
+
+
+def config_hash(config: RunConfig) -> str:
+    """A hash of the config sections the compiled shapes depend on (not steps, lr, ...)."""
+    data = config_to_dict(config)
+    shaped = {section: data[section] for section in SHAPE_SECTIONS}
+    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def compiles(config: RunConfig, device: torch.device) -> bool:
+    """The trainer's rule: compile.enabled on, or auto on a GPU."""
+    mode = config.compile.enabled
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+class StandInTarget(nn.Module):
+    """The target's config, embedding and lm_head shapes with random weights (no decoder)."""
+
+    def __init__(self, config: Any, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        text = getattr(config, "text_config", None) or config
+        self.config = config
+        hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab, hidden, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+            p.requires_grad_(False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def target_config(config: RunConfig, folder: str) -> Any:
+    """The target's HF config without loading weights."""
+    if config.model.kind == "random":
+        from training.tinymodel import qwen3_config
+
+        return qwen3_config(config.model, config.model.vocab_size)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def warm_step(
+    drafter: DFlashDrafter,
+    shape: ShapeRecord,
+    *,
+    device: torch.device,
+    hidden_dtype: torch.dtype,
+    generator: torch.Generator,
+) -> int:
+    """One optimizer-free training step of ``shape`` (random tokens, full-length rows);
+    gradients are dropped afterwards. Autocast as in ``trainer.drafter_step``. Returns the
+    labelled tokens."""
+    cfg = drafter.cfg
+    vocab = drafter.embed_tokens.weight.shape[0]
+    b, t = shape.batch_size, shape.length
+    ids = torch.randint(0, vocab, (b, t), generator=generator).to(device)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    lengths = torch.full((b,), t, dtype=torch.long)
+    hidden = torch.empty(b, t, drafter.fc.in_features, device=device, dtype=hidden_dtype).normal_()
+    anchors = sample_anchors(mask, lengths, cfg.num_anchors, cfg.block_size, generator)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    drafter.train()
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        out = drafter(ids, hidden, mask, anchors)
+    if out.num_tokens > 0:
+        out.loss.backward()
+    drafter.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out.num_tokens
+
+
+def prewarm(
+    drafter: DFlashDrafter,
+    shapes: Sequence[ShapeRecord],
+    boundaries: Sequence[int],
+    *,
+    device: torch.device,
+    hidden_dtype: torch.dtype,
+    echo: Echo = _echo,
+) -> list[ShapeRecord]:
+    """``warm_step`` every shape serially, printing one progress line each; shapes with seconds.
+    The global RNG states are restored afterwards (a trainer's random stream is unchanged)."""
+    generator = torch.Generator().manual_seed(0)
+    done: list[ShapeRecord] = []
+    cuda = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
+    for i, shape in enumerate(shapes, 1):
+        started = time.monotonic()
+        with torch.random.fork_rng(devices=cuda):
+            warm_step(drafter, shape, device=device, hidden_dtype=hidden_dtype, generator=generator)
+        seconds = time.monotonic() - started
+        done.append(ShapeRecord(shape.bucket, shape.batch_size, shape.length, round(seconds, 3)))
+        lo, hi = boundaries[shape.bucket], boundaries[shape.bucket + 1]
+        echo(
+            f"warm [{i}/{len(shapes)}] bucket {shape.bucket} [{lo}, {hi}): batch {shape.batch_size} x "
+            f"{shape.length}: {seconds:.1f}s ({format_counters(cache_counters())})"
+        )
+    return done
+
+
+def set_compile_guards(config: RunConfig, drafter: DFlashDrafter, num_shapes: int) -> int:
+    """T2's recompile limit for ``num_shapes`` x the drafter's mask variants (or the config's)."""
+    limit = attention.configure_compile(num_shapes, len(drafter.variants()))
+    if config.compile.recompile_limit > 0:
+        torch._dynamo.config.recompile_limit = config.compile.recompile_limit
+        limit = config.compile.recompile_limit
+    return limit
+
+
+def run_warm(
+    config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = _echo
+) -> Manifest | None:
+    """Warm ``root/<key>`` for ``config``; None when the config does not compile on this device."""
+    from training.buckets import format_bucket_table
+    from training.corpus import default_cache_dir
+    from training.data import TrainData, load_tokenized
+    from training.target import load_tokenizer, model_source, resolve_device, resolve_dtype
+    from training.trainer import build_drafter
+
+    started = time.monotonic()
+    device = resolve_device(config.model.device)
+    if config.train.torch_threads > 0:
+        torch.set_num_threads(config.train.torch_threads)
+    if not compiles(config, device):
+        echo(f"warm: compile.enabled={config.compile.enabled} does not compile on {device}: nothing to warm")
+        return None
+    active = activate(root, device, load=False)
+    cache = active.cache
+    digest = config_hash(config)
+    if if_needed and (ready := cache.complete_manifest(digest)) is not None:
+        echo(f"warm: {cache.path} is already warm for {config.name} ({len(ready.shapes)} shapes)")
+        return ready
+    echo(f"warm: config {config.name} on {device}, cache {cache.path}")
+    if device.type == "cuda" and config.pipeline.topology:
+        echo(
+            f"warm: note: topology {config.pipeline.topology}: inductor's cache keys hold the device index, "
+            f"so this warm-up serves ranks that see their GPU as {device} (CUDA_VISIBLE_DEVICES)"
+        )
+    if device.type == "cpu":
+        attention.set_cpu_compile(True)
+    folder, tok_dir = model_source(config)
+    tokenizer = load_tokenizer(tok_dir)
+    data_cache = Path(config.data.cache_dir).expanduser() if config.data.cache_dir else root / ".data-cache"
+    tokenized = load_tokenized(config.data, tokenizer, default_cache_dir(config.model.cache_dir), data_cache)
+    planner = TrainData(tokenized, config.data).planner
+    echo(format_bucket_table(planner.table()))
+    dtype = resolve_dtype(config.model.dtype, device)
+    drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
+    shapes = compile_shapes(planner)
+    limit = set_compile_guards(config, drafter, len(shapes))
+    echo(
+        f"warm: {len(shapes)} shapes x {len(drafter.variants())} mask variants, recompile_limit={limit} "
+        f"(fail_on_recompile_limit_hit), setup {time.monotonic() - started:.1f}s"
+    )
+    done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
+    blob_bytes, entries = save_blob(cache.blob_path)
+    manifest = Manifest(
+        key=cache.key.text,
+        config=config.name,
+        config_hash=digest,
+        buckets=tuple(int(b) for b in planner.boundaries),
+        shapes=tuple(done),
+        variants=len(drafter.variants()),
+        recompile_limit=limit,
+        seconds=round(time.monotonic() - started, 3),
+        torch=cache.key.torch,
+        triton=triton_version(),
+        device=cache.key.device,
+        blob_bytes=blob_bytes,
+        created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        complete=True,
+        counters=cache_counters(),
+    )
+    cache.write_manifest(manifest)
+    echo(
+        f"warm: done in {manifest.seconds:.1f}s; {cache.blob_path.name} {blob_bytes / 1e6:.1f} MB "
+        f"({entries} entries), {format_counters(manifest.counters)}"
+    )
+    return manifest
+
+
+def prepare_trainer(trainer: Trainer) -> CounterReporter:
+    """The trainer's compile hook (after ``configure_compile``): activate the cache of
+    ``$FLEET_COMPILE_CACHE`` (blob loaded when warmed) and, with ``compile.fail_on_recompile``,
+    pre-warm every shape here, then forbid recompiles. Returns the ``compile_cache`` reporter."""
+    from training.events import print0
+
+    reporter = start(trainer.device, echo=print0)
+    if trainer.config.compile.fail_on_recompile and not trainer.eval_only:
+        planner = trainer.data.planner
+        dtype = trainer.target.get_input_embeddings().weight.dtype
+        shapes = compile_shapes(planner)
+        prewarm(
+            trainer.drafter,
+            shapes,
+            planner.boundaries,
+            device=trainer.device,
+            hidden_dtype=dtype,
+            echo=print0,
+        )
+        torch.compiler.set_stance("fail_on_recompile")
+        print0(
+            f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)"
+        )
+    return reporter
+
+
+def warm_main(config_name: str, cache_dir: str, overrides: Sequence[str], *, if_needed: bool) -> int:
+    """The ``warm`` subcommand; ConfigError (exit 2) for a bad config or cache dir."""
+    config = load_config(config_name, list(overrides))
+    root = resolve_root(cache_dir)
+    if root is None:
+        raise ConfigError("warm: give --cache-dir DIR (or set $FLEET_COMPILE_CACHE)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"warm --cache-dir {root}: cannot create it ({exc.strerror})") from None
+    run_warm(config, root, if_needed=if_needed)
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = [
+    "CacheDir",
+    "StandInTarget",
+    "compile_shapes",
+    "config_hash",
+    "num_compiled_shapes",
+    "prepare_trainer",
+    "prewarm",
+    "run_warm",
+    "warm_main",
+]
