@@ -211,7 +211,7 @@ def main() -> int:
     for name in ("cold", "blob", "index"):
         shutil.rmtree(work / name, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_CACHE"))}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("FLEET_TRAINING_CACHE", str(work / "training-cache"))
     gpu_env = {**env, "CUDA_VISIBLE_DEVICES": "0"} if args.device == "cuda" else env
     started = time.time()

@@ -247,7 +247,8 @@ def main() -> int:
     overrides = list(overrides)
     if args.device == "cpu":
         overrides.append("--model.device=cpu")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     config = load_config(args.config, overrides)
     size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
     peak = peak_matmul_flops(args.device, size, 50 if args.device == "cuda" else 5)

@@ -366,7 +366,13 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "mem_gib": mem,
         }
-        self.events.emit("step", **fields_)
+        shape_fields = {
+            "tokens": int(batch.lengths.sum()),
+            "sequences": int(batch.lengths.numel()),
+            "padded_length": int(batch.input_ids.shape[1]),
+            "step_s": seconds,
+        }
+        self.events.emit("step", **fields_, **shape_fields)
         self.logger.log({f"train/{k}": v for k, v in fields_.items() if k != "acc"}, self.step)
         print0(
             f"step {self.step}/{cfg.steps} epoch {batch.position.epoch} loss {result.loss:.4f} "

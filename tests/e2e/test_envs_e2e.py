@@ -23,7 +23,7 @@ from fleet.inventory import load_inventory
 from fleet.target import open_target
 
 if TYPE_CHECKING:
-    from conftest import RemoteFleet, TestHost
+    from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import RemoteFleet, TestHost
+    from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
 

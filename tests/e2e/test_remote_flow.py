@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import RemoteFleet, TestHost
+    from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import RemoteFleet
+    from testkit import RemoteFleet
 
 pytestmark = pytest.mark.hosts
 
@@ -95,7 +95,7 @@ def test_all_targets_one_row_each(remote_fleet: RemoteFleet, tmp_path: Path) -> 
     poll(remote_fleet, lambda d: d["state"] == "finished", "finished")
     second = dict(remote_fleet.target, workdir=remote_fleet.workdir)
     broken = dict(remote_fleet.target, workdir="/nonexistent-fleet-workdir")
-    from conftest import render_inventory, run_fab
+    from testkit import render_inventory, run_fab
 
     config = tmp_path / "all.toml"
     config.write_text(render_inventory({"a": remote_fleet.target, "b": second, "c": broken}, "a"))

@@ -485,7 +485,7 @@ def test_shim_fixture_file_next_to_it(tmp_path: Path) -> None:
 
 
 def local_inventory(tmp_path: Path) -> Path:
-    from conftest import render_inventory
+    from testkit import render_inventory
 
     target = {
         "host": "local",
@@ -501,7 +501,7 @@ def local_inventory(tmp_path: Path) -> Path:
 
 
 def fab(config: Path, scenario_name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    from conftest import run_fab
+    from testkit import run_fab
 
     return run_fab(args, config, timeout=120, env={"FLEET_NVSMI_FIXTURE_DIR": str(FIXTURES / scenario_name)})
 

@@ -30,7 +30,7 @@ from fleet.target import LocalTarget, open_target
 from training.events import read_events, validate_event
 
 if TYPE_CHECKING:
-    from conftest import LocalTmux, RemoteFleet
+    from testkit import LocalTmux, RemoteFleet
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = dt.datetime(2026, 11, 30, 1, 2, 3, tzinfo=dt.UTC)

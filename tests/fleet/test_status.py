@@ -449,7 +449,7 @@ def test_task_with_log_prints_json_and_returns_the_state_code(capsys: pytest.Cap
 
 def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path: Path) -> None:
     """deploy + train the selftest on the local target, then `fab status --json` until finished."""
-    from conftest import render_inventory, run_fab
+    from testkit import render_inventory, run_fab
 
     target = {
         "host": "local",

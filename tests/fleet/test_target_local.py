@@ -14,7 +14,7 @@ import pytest
 
 from fleet.errors import CommandFailed, TargetError
 from fleet.inventory import Commands, ContainerSpec, TargetSpec
-from fleet.target import CommandResult, LocalTarget, open_target
+from fleet.target import CONTAINER_BASE_ENV, CommandResult, LocalTarget, open_target
 
 HOSTILE = [
     "a;touch {m}",
@@ -177,14 +177,18 @@ def pct_shim(tmp_path: Path) -> tuple[Path, Path]:
 def test_container_layers_argv_env_and_pct(tmp_path: Path, pct_shim: tuple[Path, Path]) -> None:
     shim, _ = pct_shim
     target = local(tmp_path, container=ContainerSpec("pct", id=200), commands=Commands(pct=str(shim)))
+    # Inside a container the command starts from a fixed environment (`env -i` + base + caller's),
+    # whatever pct keeps (PVE 8 keeps the SSH session's variables, PVE 9 clears them).
+    base = [f"{k}={v}" for k, v in CONTAINER_BASE_ENV.items()]
     assert target.command_for(["python3", "-m", "x"], env={"A": "1"}, cwd="/w") == [
-        str(shim), "exec", "200", "--", "env", "-C", "/w", "--", "A=1", "python3", "-m", "x",
+        str(shim), "exec", "200", "--", "env", "-i", "-C", "/w", "--", *base, "A=1", "python3", "-m", "x",
     ]  # fmt: skip
     assert target.command_for(["ls"], where="host") == ["ls"]
     assert target.command_for(["x"], env={"A": "s3cret"}, masked=True)[-2:] == ["A=***", "x"]
     result = target.run(["sh", "-c", 'printf "%s" "$A"'], env={"A": "a b;c"}, cwd=str(tmp_path))
     assert result.stdout == "a b;c"
-    assert (tmp_path / "pct.log").read_text().startswith(f"exec 200 -- env -C {tmp_path} -- A=a b;c sh")
+    logged = (tmp_path / "pct.log").read_text()
+    assert logged.startswith(f"exec 200 -- env -i -C {tmp_path} -- {' '.join(base)} A=a b;c sh")
 
 
 def test_stopped_container_is_named(tmp_path: Path, pct_shim: tuple[Path, Path]) -> None:

@@ -15,7 +15,7 @@ import pytest
 from fleet.inventory import load_inventory
 
 if TYPE_CHECKING:
-    from conftest import LocalTmux, TestHost
+    from testkit import LocalTmux, TestHost
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def helpers(request: pytest.FixtureRequest) -> ModuleType:
     """tests/conftest.py as pytest loaded it (`import conftest` may name another suite's conftest)."""
-    module = request.config.pluginmanager.get_plugin(str(REPO / "tests" / "conftest.py"))
-    assert module is not None
-    return module
+    import testkit
+
+    return testkit
 
 
 def test_parse_hosts_env_reads_shell_quoted_values(helpers: ModuleType) -> None:

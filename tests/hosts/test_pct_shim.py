@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import TestHost
+    from testkit import TestHost
 
 pytestmark = pytest.mark.hosts
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU measurements of issues 3, 4, 7 and 8 in one go, on a machine with 2+ GPUs and torch
+# (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(gpus train compile topology)
+
+gpus() {  # issue 4: fab gpus on the real GPUs, clean, then with a process holding memory
+    cat > /tmp/fleet-device.toml <<TOML
+default_target = "dev"
+[targets.dev]
+host = "local"
+workdir = "/tmp/fleet-dev"
+gpus = 2
+env = ""
+[targets.dev.commands]
+python = "python3"
+TOML
+    export FLEET_CONFIG=/tmp/fleet-device.toml
+    python3 -m fabric gpus; echo "fab gpus (clean) exit=$?"
+    python3 -c "import torch,time; x=torch.empty(2**31, device='cuda:1'); print('holder up', flush=True); time.sleep(90)" &
+    holder=$!; sleep 12; echo "holder pid $holder"
+    python3 -m fabric gpus; echo "fab gpus (busy) exit=$?"
+    python3 -m fabric gpus --json > "$OUT/gpus_busy.json"; echo "json exit=$?"
+    kill $holder; wait $holder 2>/dev/null
+    python3 -m fabric gpus --wait 30; echo "fab gpus --wait (after kill) exit=$?"
+    unset FLEET_CONFIG
+}
+train() {  # issue 3: qwen3-8b-h200 single process, compiled
+    timeout 330 python3 benchmarks/train_bench.py --config qwen3-8b-h200 --steps 30 --warmup-steps 3 \
+        --data.num_buckets=2 --data.corpus_files=300 --eval.num_prompts=0 --append-results | tail -1 | tee "$OUT/train.json"
+}
+compile() {  # issue 7: cold / warm dir / mega-cache blob, and cuda:0-vs-cuda:1 keys
+    timeout 420 python3 benchmarks/compile_bench.py --max-shapes 2 --index-check --out /tmp/cb \
+        --override=--data.corpus_files=300 | tail -1 | tee "$OUT/compile.json"
+}
+topology() {  # issue 8: 1+1 on two GPUs
+    timeout 400 python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --steps 40 \
+        --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
+}
+for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
