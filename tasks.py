@@ -4,23 +4,27 @@ fleet/ (see docs/DESIGN.md)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from invoke import Collection, Context
 from invoke.exceptions import Exit
 
-from fleet import deploy as fleet_deploy
-from fleet import envs as fleet_envs
-from fleet import gpus as fleet_gpus
-from fleet import plot as fleet_plot
-from fleet import runs
-from fleet import status_cli as fleet_status
 from fleet.cli import fleet_task, on_targets, repo_root, single_target
 from fleet.errors import ConfigError
-from fleet.target import Target
+
+if TYPE_CHECKING:
+    from fleet.target import Target
+
+# The fleet modules a task needs are imported inside it: `fab status` then loads only what
+# status uses (start-up time is most of its latency).
 
 
 @fleet_task
 def deploy(c: Context) -> None:
     """Upload training/ as a new release and make it current."""
+    from fleet import deploy as fleet_deploy
+    from fleet import envs as fleet_envs
+
     with single_target(c) as target:
         env = fleet_envs.ensure_env(target, repo_root())  # builds a missing env; refuses a drifted one
         if env.managed:
@@ -33,6 +37,9 @@ def deploy(c: Context) -> None:
 @fleet_task(help={"no_warm": "skip the compile-cache warm-up (`fab warm`) before the start"})
 def train(c: Context, no_warm: bool = False) -> None:
     """Start the configured run in tmux (one live run per target)."""
+    from fleet import gpus as fleet_gpus
+    from fleet import runs
+
     with single_target(c) as target:
         fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
         if not no_warm:
@@ -50,7 +57,9 @@ def train(c: Context, no_warm: bool = False) -> None:
     optional=["watch"],
 )
 def status(c: Context, watch: str | None = None, json: bool = False, log: str = "") -> None:
-    """One picture of the run: state, phase, progress, speed, GPUs, diagnosis; exit code = state."""
+    """The run's state, progress, speed, GPUs and diagnosis."""
+    from fleet import status_cli as fleet_status
+
     code = fleet_status.status_task(c, watch=watch, as_json=json, log=log)
     if code:
         raise Exit(code=code)
@@ -58,13 +67,17 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
 
 @fleet_task(help={"out": "PNG path (default <target>-<run>.png)", "log": "a local run dir or events.jsonl"})
 def plot(c: Context, out: str = "", log: str = "") -> None:
-    """Plot loss, acceptance tau and tokens/s over steps of the latest run as a PNG."""
+    """Plot loss, tau and tokens/s of the latest run as a PNG."""
+    from fleet import plot as fleet_plot
+
     print(f"wrote {fleet_plot.plot_task(c, out=out, log=log)}")
 
 
 @fleet_task(help={"n": "how many log lines (default 40)", "follow": "keep printing new lines until Ctrl-C"})
 def logs(c: Context, n: int = 40, follow: bool = False) -> None:
     """Print the end of the latest run's log (-n N, --follow)."""
+    from fleet import runs
+
     if n < 0:
         raise ConfigError(f"logs -n {n}: give a line count >= 0")
     if follow:
@@ -75,7 +88,9 @@ def logs(c: Context, n: int = 40, follow: bool = False) -> None:
 
 @fleet_task(help={"force": "warm again even when the cache of this config is complete"})
 def warm(c: Context, force: bool = False) -> None:
-    """Compile every shape of the run config into the target's compile cache (a smoke test too)."""
+    """Fill the compile cache for every shape (a smoke test too)."""
+    from fleet import runs
+
     with single_target(c) as target:
         if not runs.warm_cache(target, if_needed=not force):
             print(f"{target.name}: run.module is not the bundled trainer: nothing to warm")
@@ -84,6 +99,8 @@ def warm(c: Context, force: bool = False) -> None:
 @fleet_task(help={"force": "kill the run at once (SIGKILL) instead of SIGTERM + checkpoint"})
 def stop(c: Context, force: bool = False) -> None:
     """Stop the live run (SIGTERM + checkpoint; --force kills)."""
+    from fleet import runs
+
     with single_target(c) as target:
         print(runs.stop_run(target, force=force).text())
 
@@ -91,6 +108,8 @@ def stop(c: Context, force: bool = False) -> None:
 @fleet_task(help={"wait": "poll until clean, at most this many seconds", "json": "print JSON"})
 def gpus(c: Context, wait: float = 0.0, json: bool = False) -> None:
     """Check that the GPUs are clean to launch on; exit 1 if not."""
+    from fleet import gpus as fleet_gpus
+
     if wait < 0:
         raise ConfigError(f"gpus --wait {wait:g}: give seconds >= 0")
     on_targets(c, lambda target: fleet_gpus.gpus_task(target, wait_s=wait, as_json=json))
@@ -99,6 +118,8 @@ def gpus(c: Context, wait: float = 0.0, json: bool = False) -> None:
 @fleet_task(help={"json": "print JSON (drift, extra, missing, changed, ...)", "full": "hash every file"})
 def env_check(c: Context, json: bool = False, full: bool = False) -> None:
     """Compare the target's venv with its uv.lock; exit 1 on drift."""
+    from fleet import envs as fleet_envs
+
     drifted: list[str] = []
 
     def check(target: Target) -> str:
@@ -117,6 +138,8 @@ def env_check(c: Context, json: bool = False, full: bool = False) -> None:
 @fleet_task(help={"gc": "then remove env builds that no current/previous link, release or run uses"})
 def env_rebuild(c: Context, gc: bool = False) -> None:
     """Build the env afresh; switch only once it is verified."""
+    from fleet import envs as fleet_envs
+
     with single_target(c) as target:
         env = fleet_envs.rebuild_env(target, repo_root())
         print(f"{target.name}: env {env.name} rebuilt in {env.build_seconds:.1f}s: {env.describe()}")
@@ -128,6 +151,8 @@ def env_rebuild(c: Context, gc: bool = False) -> None:
 @fleet_task
 def env_rollback(c: Context) -> None:
     """Make the previous env build current again."""
+    from fleet import envs as fleet_envs
+
     with single_target(c) as target:
         env = fleet_envs.rollback_env(target)
         print(f"{target.name}: env {env.name} rolled back, now current: {env.describe()}")
@@ -135,7 +160,9 @@ def env_rollback(c: Context) -> None:
 
 @fleet_task(help={"gpus": "GPUs to split (default: the target's gpus, else 2)", "json": "print JSON"})
 def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
-    """Probe target/drafter rates of the run config on the target; predict each N+M split."""
+    """Probe target and drafter rates; predict each N+M split."""
+    from fleet import gpus as fleet_gpus
+
     with single_target(c) as target:
         spec = target.spec
         if spec.gpus > 0:

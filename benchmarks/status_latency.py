@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from conftest import _host_problem, ct200_target, render_inventory, run_fab  # noqa: E402
+from testkit import _host_problem, ct200_target, render_inventory, run_fab  # noqa: E402
 
 from fleet.inventory import load_inventory, select_targets  # noqa: E402
 from fleet.status_cli import fetch_status  # noqa: E402

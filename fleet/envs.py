@@ -332,12 +332,15 @@ def _loads(target: Target, res: CommandResult, what: str) -> dict[str, Any]:
     return data
 
 
-def _probe(target: Target, env_dir: str, *args: str, stdin: bytes | None = None) -> CommandResult:
-    """Run the probe shipped in ``env_dir`` with ``env_dir``'s own python."""
+def _probe(target: Target, env_dir: str, *args: str) -> CommandResult:
+    """Run this controller's env_probe.py with ``env_dir``'s own python.
+
+    The script goes over on stdin (``python -I -``) rather than from the copy shipped into the
+    env at build time: an env built by an older fleet is then checked by the current probe.
+    """
     python = posixpath.join(env_dir, "bin", "python")
-    probe = posixpath.join(env_dir, DEF_DIR, "env_probe.py")
     env = Provisioner(target).uv_env()
-    return target.run([python, "-I", probe, *args], env=env, check=False, stdin=stdin)
+    return target.run([python, "-I", "-", *args], env=env, check=False, stdin=PROBE.read_bytes())
 
 
 def _info(target: Target, name: str, manifest: dict[str, Any], built: bool) -> EnvInfo:
