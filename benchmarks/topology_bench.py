@@ -136,6 +136,17 @@ def run_job(args: argparse.Namespace, env: dict[str, str], overrides: list[str],
     return time.monotonic() - started
 
 
+def last_new_shape_step(steps: list[dict[str, Any]]) -> int:
+    """The step by which every padded shape (each a compile) has been trained once."""
+    shapes = {e["padded_length"] for e in steps}
+    seen: set[int] = set()
+    for e in sorted(steps, key=lambda e: (e["step"], e["rank"])):
+        seen.add(e["padded_length"])
+        if seen == shapes:
+            return int(e["step"])
+    return 0
+
+
 def summarize(
     events: list[dict[str, Any]],
     config: RunConfig,
@@ -150,12 +161,8 @@ def summarize(
     # Steady state: after --warmup-steps AND, when compiled, after every padded shape (bucket)
     # has been trained once (each new shape compiles on the drafter).
     shapes = {e["padded_length"] for e in steps}
-    seen: set[int] = set()
-    for e in sorted(steps, key=lambda e: (e["step"], e["rank"])) if compiled else []:
-        seen.add(e["padded_length"])
-        if seen == shapes:
-            warmup = max(warmup, e["step"])
-            break
+    if compiled:
+        warmup = max(warmup, last_new_shape_step(steps))
     warm = [e for e in steps if e["step"] > warmup]
     if not warm:
         raise SystemExit("no step events after the warm-up: raise --steps or use --data.num_buckets=1")

@@ -31,7 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from topology_bench import drafter_flops, peak_matmul_flops, shape, target_flops  # noqa: E402
+from topology_bench import (  # noqa: E402
+    drafter_flops,
+    last_new_shape_step,
+    peak_matmul_flops,
+    shape,
+    target_flops,
+)
 
 from training.config import load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
@@ -42,12 +48,7 @@ def summarize(events: list[dict[str, Any]], config: Any, warmup: int, peak: floa
     if not steps:
         raise SystemExit("the run wrote no step events")
     shapes = {e["padded_length"] for e in steps}
-    seen: set[int] = set()
-    for e in steps:
-        seen.add(e["padded_length"])
-        if seen == shapes:
-            warmup = max(warmup, e["step"])
-            break
+    warmup = max(warmup, last_new_shape_step(steps))
     warm = [e for e in steps if e["step"] > warmup]
     if not warm:
         raise SystemExit("no step after the warm-up: raise --steps or lower --data.num_buckets")
