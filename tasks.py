@@ -167,9 +167,8 @@ def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
         spec = target.spec
         if spec.gpus > 0:
             fleet_gpus.gate(target)  # the probe needs the GPUs to itself
-        python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
-        argv = [python, "-m", spec.run.module, "plan", "--config", spec.run.config, *spec.run.overrides]
-        argv += ["--gpus", str(gpus or spec.gpus or 2), *(["--json"] if json else [])]
+        argv = [spec.run_python, "-m", spec.run.module, "plan", "--config", spec.run.config]
+        argv += [*spec.run.overrides, "--gpus", str(gpus or spec.gpus or 2), *(["--json"] if json else [])]
         print(target.run(argv, cwd=spec.layout.current, env=dict(spec.run.env)).stdout.rstrip("\n"))
 
 

@@ -206,7 +206,7 @@ def run_spec_document(spec: TargetSpec) -> dict[str, Any]:
         "overrides": list(spec.run.overrides),
         "env_keys": sorted(spec.run.env),
         "env": spec.env,
-        "python": spec.layout.env_python(spec.env) if spec.env else spec.commands.python,
+        "python": spec.run_python,
         "gpus": spec.gpus,
         "topology": str(spec.topology) if spec.topology else None,
     }

@@ -94,7 +94,7 @@ class EnvInfo:
 
 def python_for(spec: TargetSpec) -> str:
     """The interpreter runs on ``spec`` use: the managed env's python, else ``commands.python``."""
-    return spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+    return spec.run_python
 
 
 def load_env_def(repo_root: Path, name: str) -> EnvDef:

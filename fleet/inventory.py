@@ -158,6 +158,11 @@ class TargetSpec:
         return Layout(self.workdir)
 
     @property
+    def run_python(self) -> str:
+        """The interpreter runs use: the managed env's python, else ``commands.python``."""
+        return self.layout.env_python(self.env) if self.env else self.commands.python
+
+    @property
     def display(self) -> str:
         """Where it is, for messages: ``local``, ``root@pve:22``, ``root@pve:22 container 200``."""
         where = "local" if self.ssh is None else self.ssh.display

@@ -125,7 +125,7 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     ``<python> -m training.topology --standalone --nproc-per-node=N+M -m <module> train ...
     --topology N+M`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0;
     gpus = 0: gloo on CPU, N+M processes)."""
-    python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+    python = spec.run_python
     run = spec.run
     train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
     if spec.topology is None:
@@ -145,7 +145,7 @@ def run_env(spec: TargetSpec) -> dict[str, str]:
 
 def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
     """``<python> -m training warm --config C --cache-dir <workdir>/compile-cache [--if-needed] ...``."""
-    python = spec.layout.env_python(spec.env) if spec.env else spec.commands.python
+    python = spec.run_python
     flag = ["--if-needed"] if if_needed else []
     head = [python, "-m", "training", "warm", "--config", spec.run.config]
     return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]

@@ -352,7 +352,8 @@ class Trainer:
 
     def _log_step(self, result: StepResult, batch: Batch, seconds: float) -> None:
         cfg = self.config.train
-        tokens_per_s = int(batch.lengths.sum()) / max(seconds, 1e-9)
+        tokens = int(batch.lengths.sum())
+        tokens_per_s = tokens / max(seconds, 1e-9)
         mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         fields_ = {
             "step": self.step,
@@ -367,7 +368,7 @@ class Trainer:
             "mem_gib": mem,
         }
         shape_fields = {
-            "tokens": int(batch.lengths.sum()),
+            "tokens": tokens,
             "sequences": int(batch.lengths.numel()),
             "padded_length": int(batch.input_ids.shape[1]),
             "step_s": seconds,

@@ -30,15 +30,15 @@ TOML
     unset FLEET_CONFIG
 }
 train() {  # issue 3: qwen3-8b-h200 single process, compiled
-    timeout 330 python3 benchmarks/train_bench.py --config qwen3-8b-h200 --steps 30 --warmup-steps 3 \
+    timeout -k 30 330 python3 benchmarks/train_bench.py --config qwen3-8b-h200 --steps 30 --warmup-steps 3 \
         --data.num_buckets=2 --data.corpus_files=300 --eval.num_prompts=0 --append-results | tail -1 | tee "$OUT/train.json"
 }
 compile() {  # issue 7: cold / warm dir / mega-cache blob, and cuda:0-vs-cuda:1 keys
-    timeout 420 python3 benchmarks/compile_bench.py --max-shapes 2 --index-check --out /tmp/cb \
+    timeout -k 30 420 python3 benchmarks/compile_bench.py --max-shapes 2 --index-check --out /tmp/cb \
         --override=--data.corpus_files=300 | tail -1 | tee "$OUT/compile.json"
 }
 topology() {  # issue 8: 1+1 on two GPUs
-    timeout 400 python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --steps 40 \
+    timeout -k 30 400 python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --steps 40 \
         --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done

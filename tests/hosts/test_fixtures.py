@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def helpers(request: pytest.FixtureRequest) -> ModuleType:
-    """tests/conftest.py as pytest loaded it (`import conftest` may name another suite's conftest)."""
+def helpers() -> ModuleType:
+    """tests/testkit.py, the shared helpers behind tests/conftest.py."""
     import testkit
 
     return testkit
