@@ -60,6 +60,13 @@ TINY_CPU = [
 
 
 # ------------------------------------------------------------------ child: one measured process
+def compilation_time_metrics() -> dict[str, list[float]]:
+    """Dynamo's per-section compile seconds of this process (empty when torch lacks them)."""
+    from torch._dynamo import utils
+
+    return dict(getattr(utils, "compilation_time_metrics", {}))
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One process start up to every shape's first step; the spawn time comes from the parent."""
     spawned = float(args.spawned)
@@ -110,6 +117,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     for shape in shapes:
         warm_step(drafter, shape, device=device, hidden_dtype=dtype, generator=gen)
         marks.append(time.time())
+        done = marks[-1] - spawned
+        print(f"{args.mode}: shape {shape} stepped at +{done:.1f}s", file=sys.stderr, flush=True)
     counters = cache_counters()
     again = time.time()
     warm_step(drafter, shapes[0], device=device, hidden_dtype=dtype, generator=gen)
@@ -127,6 +136,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "all_shapes_s": round(marks[-1] - spawned, 3),
         "nocompile_first_step_s": round(setup_done - spawned + steady_first, 3),
         "steady_step_s": round(steady_first, 4),
+        "shape_s": [round(b - a, 3) for a, b in zip([setup_done, *marks], marks, strict=False)],
+        # Where the compile time went (Dynamo's dynamo_timed sections, seconds summed).
+        "compile_times": {k: round(sum(v), 3) for k, v in compilation_time_metrics().items()},
         **counters,
     }
     if args.mode == "cold":
@@ -162,12 +174,15 @@ def spawn(
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--cache-root", str(root)]
     argv += ["--config", config, "--max-shapes", str(max_shapes), "--spawned", repr(time.time())]
     argv += [f"--override={o}" for o in overrides]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    # The child's stderr goes to a file next to the caches: readable even when a time limit
+    # kills this benchmark mid-compile.
+    log = root.parent / f"{mode}-{root.name}-{env.get('CUDA_VISIBLE_DEVICES', 'all')}.log"
+    with log.open("w") as err:
+        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(
-            f"compile_bench: child {mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"compile_bench: child {mode} failed (exit {proc.returncode}), log {log}:\n{tail}")
     result = json.loads(lines[-1])
     print(
         f"{mode:>6}: first step {result['first_step_s']:.1f}s, all {result['shapes']} shapes "

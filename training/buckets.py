@@ -131,7 +131,13 @@ def plan_epoch(
         padded = pad_length(boundaries[b], boundaries[b + 1], max_length)
         per_batch = max(1, min(max_batch_size, token_budget // padded))
         for start in range(0, len(members), per_batch):
-            batches.append((b, members[start : start + per_batch]))
+            batch = members[start : start + per_batch]
+            if len(batch) < per_batch <= len(members):
+                # The tail batch is topped up with the bucket's first sequences of this epoch, so
+                # every batch of a bucket has one shape: one compile per bucket, never a tail's
+                # extra one (issue 7). A bucket smaller than one batch is a single batch anyway.
+                batch = np.concatenate([batch, members[: per_batch - len(batch)]])
+            batches.append((b, batch))
     order = rng.permutation(len(batches))
     return [batches[i] for i in order]
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from training import attention, compile_cache
+from training import attention, compile_cache, warm
 from training.buckets import Position, format_bucket_table
 from training.checkpoint import (
     list_checkpoints,
@@ -112,14 +112,13 @@ class Worker:
         self.stop_signal = signum
 
     def prepare_shared(self) -> tuple[str, str, Any]:
-        """Model/tokenizer folders and the tokenizer; rank 0 builds caches first, then the rest."""
+        """Model/tokenizer folders, the tokenizer and the tokenized data; rank 0 builds caches
+        first, then the rest."""
         if self.ctx.rank != 0:
             self.barrier()
         folder, tok_dir = model_source(self.config)
         tokenizer = load_tokenizer(tok_dir)
-        tokenized = None
-        if self.ctx.role == "target":
-            tokenized = self._tokenized(tokenizer)
+        tokenized = self._tokenized(tokenizer)  # drafters: for the shapes they will compile
         if self.ctx.rank == 0:
             self.barrier()
         return folder, tokenizer, tokenized
@@ -271,7 +270,8 @@ class DrafterWorker(Worker):
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
         self.events.phase("load_target")
-        folder, self.tokenizer, _ = self.prepare_shared()
+        folder, self.tokenizer, tokenized = self.prepare_shared()
+        planner = TrainData(tokenized, cfg.data).planner
         target = load_model(cfg, folder)  # only its embedding and lm_head are kept
         check_vocab(target, self.tokenizer)
         self.events.phase("load_drafter")
@@ -295,7 +295,8 @@ class DrafterWorker(Worker):
             self.events.phase("compile")
             if ctx.device.type == "cpu":
                 attention.set_cpu_compile(True)
-            limit = attention.configure_compile(cfg.data.num_buckets, len(drafter.variants()))
+            shapes = warm.num_compiled_shapes(planner)  # one per bucket (issue 7)
+            limit = attention.configure_compile(shapes, len(drafter.variants()))
             if cfg.compile.recompile_limit > 0:
                 torch._dynamo.config.recompile_limit = cfg.compile.recompile_limit
                 limit = cfg.compile.recompile_limit
@@ -562,7 +563,7 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
         pid=os.getpid(),
         host=ctx.me.host,
         world_size=topology.world_size,
-        device=str(ctx.device),
+        device=ctx.me.device,  # "cuda:0 = GPU 5": what this rank sees, and which GPU it is
         topology=str(topology),
     )
     if ctx.rank == 0:

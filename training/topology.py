@@ -9,7 +9,11 @@ Several hosts: ``torchrun --nnodes=H --node-rank=I --rdzv-backend=c10d
 --rdzv-endpoint=HOST0:29500 --nproc-per-node=G -m training train ... --topology N+M``
 with ``N + M = H * G``; global ranks are assigned node by node, so with 2 hosts of 4 GPUs
 and ``5+3`` host 0 runs targets 0-3 and host 1 runs target 4 and the 3 drafters. Each
-process uses ``cuda:LOCAL_RANK`` (one GPU per process, never threads: field notes).
+process drives one GPU (never threads: field notes) and sees it as ``cuda:0``: before CUDA
+starts, ``CUDA_VISIBLE_DEVICES`` is narrowed to the LOCAL_RANK-th GPU of the host (or of the
+list the launcher was given). Inductor's cache key holds the device index, so this is what lets
+one warm-up on ``cuda:0`` (``fab warm``) serve every rank (issue 7). ``FLEET_RANKS_SEE_ALL_GPUS=1``
+keeps all GPUs visible and uses ``cuda:LOCAL_RANK`` instead.
 
 Groups (created in the same order on every rank, as torch.distributed requires):
 
@@ -150,20 +154,59 @@ def torchrun_env() -> tuple[int, int, int]:
         raise ConfigError(f"torchrun environment is malformed ({exc})") from None
 
 
-def rank_device(config: RunConfig, local_rank: int) -> torch.device:
-    """``cuda:LOCAL_RANK`` when the run config puts the model on a GPU, else ``cpu``."""
+SEE_ALL_GPUS_ENV = "FLEET_RANKS_SEE_ALL_GPUS"
+
+
+def pin_visible_gpu(config: RunConfig, local_rank: int) -> str | None:
+    """Narrow ``CUDA_VISIBLE_DEVICES`` to this rank's GPU so it is ``cuda:0`` here.
+
+    Must run before CUDA starts in this process (the driver reads the variable once). Returns
+    the host's name for the GPU (its index or UUID as the launcher listed it), or ``None`` when
+    nothing was pinned: a CPU run, a torch without CUDA, ``FLEET_RANKS_SEE_ALL_GPUS=1``, or CUDA
+    already started. ``ConfigError`` when the launcher's list has no LOCAL_RANK-th entry.
+    """
+    wanted = config.model.device
+    if wanted == "cpu" or not torch.backends.cuda.is_built() or os.environ.get(SEE_ALL_GPUS_ENV) == "1":
+        return None
+    if torch.cuda.is_initialized():
+        return None
+    gpu = visible_gpu_of(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    return gpu
+
+
+def visible_gpu_of(local_rank: int, listed: str | None) -> str:
+    """The GPU of LOCAL_RANK: the ``local_rank``-th entry of the launcher's CUDA_VISIBLE_DEVICES
+    (``listed``), or the host's GPU ``local_rank`` when unset. Pure; ``ConfigError`` when the
+    list is too short."""
+    if listed is None:
+        return str(local_rank)
+    entries = [e.strip() for e in listed.split(",") if e.strip()]
+    if local_rank >= len(entries):
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} but CUDA_VISIBLE_DEVICES={listed!r} lists {len(entries)} GPUs: "
+            "--nproc-per-node must not exceed the GPUs given to the job"
+        )
+    return entries[local_rank]
+
+
+def rank_device(config: RunConfig, local_rank: int, pinned: str | None = None) -> torch.device:
+    """This rank's device: ``cuda:0`` when ``pinned`` (see ``pin_visible_gpu``), else
+    ``cuda:LOCAL_RANK``, when the run config puts the model on a GPU; else ``cpu``."""
     wanted = config.model.device
     use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted.startswith("cuda")
     if not use_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError(f"model.device={wanted}: no CUDA device visible; use --model.device=cpu")
-    if local_rank >= torch.cuda.device_count():
+        where = f" (CUDA_VISIBLE_DEVICES={pinned} for LOCAL_RANK {local_rank})" if pinned is not None else ""
+        raise ConfigError(f"model.device={wanted}: no CUDA device visible{where}; use --model.device=cpu")
+    index = 0 if pinned is not None else local_rank
+    if index >= torch.cuda.device_count():
         raise ConfigError(
             f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
             "--nproc-per-node must not exceed the GPUs of the host"
         )
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", index)
 
 
 def rank_config(config: RunConfig, device: torch.device) -> RunConfig:
@@ -180,7 +223,8 @@ def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) ->
             f"{world_size}: use --nproc-per-node={topology.world_size} (times --nnodes)"
         )
     role, index = topology.role_of(rank)
-    device = rank_device(config, local_rank)
+    pinned = pin_visible_gpu(config, local_rank)
+    device = rank_device(config, local_rank, pinned)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -209,7 +253,8 @@ def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) ->
             if rank in (t, d):
                 peer = d if rank == t else t
                 pair_ctl[peer], pair_data[peer] = ctl, data
-    me = RankInfo(rank, role, index, socket.gethostname(), os.getpid(), str(device))
+    where = f"{device} = GPU {pinned}" if pinned is not None else str(device)
+    me = RankInfo(rank, role, index, socket.gethostname(), os.getpid(), where)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, me, group=control)
     return DistContext(
@@ -265,10 +310,12 @@ __all__ = [
     "init_distributed",
     "launch",
     "parse_topology",
+    "pin_visible_gpu",
     "rank_config",
     "rank_device",
     "shutdown",
     "torchrun_env",
+    "visible_gpu_of",
 ]
 
 

@@ -33,13 +33,28 @@ train() {  # issue 3: qwen3-8b-h200 single process, compiled
     timeout -k 30 330 python3 benchmarks/train_bench.py --config qwen3-8b-h200 --steps 30 --warmup-steps 3 \
         --data.num_buckets=2 --data.corpus_files=300 --eval.num_prompts=0 --append-results | tail -1 | tee "$OUT/train.json"
 }
-compile() {  # issue 7: cold / warm dir / mega-cache blob, and cuda:0-vs-cuda:1 keys
-    timeout -k 30 420 python3 benchmarks/compile_bench.py --max-shapes 2 --index-check --out /tmp/cb \
-        --override=--data.corpus_files=300 | tail -1 | tee "$OUT/compile.json"
+compile() {  # issue 7: cold / warm dir / mega-cache blob, cuda:0-vs-cuda:1 keys; the 1+1's one shape
+    timeout -k 20 "${COMPILE_LIMIT_S:-540}" python3 benchmarks/compile_bench.py --max-shapes 1 --index-check \
+        --out /tmp/cb --override=--data.corpus_files=300 --override=--data.num_buckets=1 \
+        | tail -1 | tee "$OUT/compile.json"
+    keep_cache /tmp/cb compile
 }
-topology() {  # issue 8: 1+1 on two GPUs
-    timeout -k 30 400 python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --steps 40 \
+buckets() {  # issue 7: every bucket of qwen3-8b-h200 (6 shapes), when the time is there
+    timeout -k 20 "${BUCKETS_LIMIT_S:-500}" python3 benchmarks/compile_bench.py --out /tmp/cb6 \
+        --override=--data.corpus_files=300 | tail -1 | tee "$OUT/compile_buckets.json"
+    keep_cache /tmp/cb6 compile_buckets
+}
+keep_cache() {  # the children's logs, the manifest and the Mega-Cache blob come back in $OUT
+    mkdir -p "$OUT/$2"; cp "$1"/*.log "$OUT/$2/" 2>/dev/null
+    for m in "$1"/cold/*/manifest.json; do [ -f "$m" ] && cp -r "$(dirname "$m")" "$OUT/$2/blob" \
+        && rm -rf "$OUT/$2/blob/inductor" "$OUT/$2/blob/triton"; done
+}
+topology() {  # issue 8: 1+1 on two GPUs; the drafter reuses compile()'s cache when it is there
+    [ -d /tmp/cb/cold ] && export FLEET_COMPILE_CACHE=/tmp/cb/cold FLEET_TRAINING_CACHE=/tmp/cb/training-cache
+    timeout -k 20 "${TOPOLOGY_LIMIT_S:-520}" python3 benchmarks/topology_bench.py --config qwen3-8b-h200 \
+        --topology 1+1 --steps 40 --warmup-steps 5 --run-dir "$OUT/topology-run" \
         --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
+    rm -rf "$OUT/topology-run/checkpoints" "$OUT/topology-run/data-cache"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

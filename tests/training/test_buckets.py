@@ -65,9 +65,11 @@ def test_epoch_plan_is_a_deterministic_partition_within_budget() -> None:
     edges = bucket_boundaries(lengths, 4, 256)
     plan = plan_epoch(lengths, edges, token_budget=1024, max_batch_size=6, seed=3, epoch=0)
     seen = np.concatenate([idx for _, idx in plan])
-    assert sorted(seen.tolist()) == list(range(500))  # every sequence once per epoch
+    assert set(seen.tolist()) == set(range(500))  # every sequence at least once per epoch
+    sizes: dict[int, set[int]] = {}
     for bucket, idx in plan:
-        assert len(idx) <= 6
+        assert len(idx) <= 6 and len(set(idx.tolist())) == len(idx)
+        sizes.setdefault(bucket, set()).add(len(idx))
         assert all(edges[bucket] <= lengths[i] < edges[bucket + 1] for i in idx)
         assert len(idx) * min(edges[bucket + 1], 256) <= 1024 or len(idx) == 1
     again = plan_epoch(lengths, edges, 1024, 6, seed=3, epoch=0)
@@ -77,6 +79,22 @@ def test_epoch_plan_is_a_deterministic_partition_within_budget() -> None:
     table = bucket_table(plan, edges)
     assert sum(b.batches for b in table.buckets) == table.batches_per_epoch == len(plan)
     assert table.min >= 1 and table.max <= 6
+    # One batch size per bucket (tail batches topped up): one compiled shape per bucket.
+    assert all(len(s) == 1 for s in sizes.values()), sizes
+    # Only a tail's top-up repeats sequences: at most one batch's worth per bucket.
+    repeats = len(seen) - 500
+    assert 0 < repeats < 6 * len(sizes)
+
+
+def test_a_bucket_smaller_than_one_batch_is_one_batch_without_repeats() -> None:
+    lengths = np.array([10, 11, 12, 100, 101, 102, 103, 104, 105, 106])
+    edges = [0, 64, 129]
+    plan = plan_epoch(lengths, edges, token_budget=128 * 4, max_batch_size=64, seed=0, epoch=0)
+    short = [idx for b, idx in plan if b == 0]
+    assert len(short) == 1 and sorted(short[0].tolist()) == [0, 1, 2]
+    long = [idx for b, idx in plan if b == 1]
+    assert [len(idx) for idx in long] == [4, 4]  # 7 sequences: 4 + (3 topped up to 4)
+    assert set(np.concatenate(long).tolist()) == set(range(3, 10))
 
 
 def test_planner_position_rolls_over_epochs() -> None:
@@ -88,7 +106,7 @@ def test_planner_position_rolls_over_epochs() -> None:
         _, idx, at, position = planner.take(position)
         taken.append((at, idx.tolist()))
     assert taken[n][0] == Position(1, 0)
-    assert sorted(i for _, idx in taken[:n] for i in idx) == [0, 1, 2, 3, 4]
+    assert {i for _, idx in taken[:n] for i in idx} == {0, 1, 2, 3, 4}
     # Taking from a saved position gives the same batch as getting there step by step.
     _, idx, at, _ = planner.take(Position(0, n))
     assert at == Position(1, 0) and idx.tolist() == taken[n][1]

@@ -24,7 +24,7 @@ from training.config import ConfigError, load_config
 from training.events import read_events, validate_event
 from training.pipeline import KIND_BATCH, Header, WorkItem, unpack
 from training.plan import best_split, predict_splits
-from training.topology import Topology, parse_topology
+from training.topology import Topology, parse_topology, pin_visible_gpu, visible_gpu_of
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = [
@@ -52,6 +52,20 @@ def test_parse_topology_and_roles() -> None:
     assert topo.target_ranks == [0, 1, 2, 3, 4] and topo.drafter_ranks == [5, 6, 7]
     with pytest.raises(ValueError):
         topo.role_of(8)
+
+
+def test_each_rank_gets_its_own_gpu_as_the_only_visible_one() -> None:
+    assert [visible_gpu_of(r, None) for r in (0, 5)] == ["0", "5"]
+    assert [visible_gpu_of(r, "4,5, 6,7") for r in range(4)] == ["4", "5", "6", "7"]
+    assert visible_gpu_of(1, "GPU-aaaa,GPU-bbbb") == "GPU-bbbb"
+    with pytest.raises(ConfigError, match="LOCAL_RANK 2 but CUDA_VISIBLE_DEVICES='0,1' lists 2 GPUs"):
+        visible_gpu_of(2, "0,1")
+
+
+def test_a_cpu_run_leaves_the_visible_gpus_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    config = load_config("tiny-cpu", ["--model.device=cpu"])
+    assert pin_visible_gpu(config, 1) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "3,4"
 
 
 @pytest.mark.parametrize("text", ["", "5", "5+", "+3", "0+2", "2+0", "5x3", "a+b", "5+3+1"])
