@@ -136,6 +136,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "all_shapes_s": round(marks[-1] - spawned, 3),
         "nocompile_first_step_s": round(setup_done - spawned + steady_first, 3),
         "steady_step_s": round(steady_first, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else 0,
         "shape_s": [round(b - a, 3) for a, b in zip([setup_done, *marks], marks, strict=False)],
         # Where the compile time went (Dynamo's dynamo_timed sections, seconds summed).
         "compile_times": {k: round(sum(v), 3) for k, v in compilation_time_metrics().items()},
@@ -189,7 +190,7 @@ def spawn(
         f"{result['all_shapes_s']:.1f}s, setup {result['setup_s']:.1f}s, compile excluded "
         f"{result['nocompile_first_step_s']:.1f}s; fxgraph {result['fxgraph_hit']} hit / "
         f"{result['fxgraph_miss']} miss, aotautograd {result['aotautograd_hit']} hit / "
-        f"{result['aotautograd_miss']} miss",
+        f"{result['aotautograd_miss']} miss; peak memory {result['peak_mem_gib']} GiB",
         flush=True,
     )
     return result

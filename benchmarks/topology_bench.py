@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
+from training.trainer import anchors_per_row  # noqa: E402
 
 
 def peak_matmul_flops(device: str, size: int, iters: int) -> float:
@@ -105,7 +106,7 @@ def drafter_flops(config: RunConfig, s: dict[str, int], tokens: int, sequences: 
     dc = config.drafter
     n_layers_in = dc.num_target_layers if not dc.target_layer_ids else len(dc.target_layer_ids)
     mean_len = tokens / max(sequences, 1)
-    queries = sequences * min(dc.num_anchors, padded) * dc.block_size
+    queries = sequences * anchors_per_row(config, padded) * dc.block_size
     fc = 2 * n_layers_in * s["d"] * s["d"] * sequences * padded
     dense = 2 * layer_params(s) * dc.num_layers * queries
     attn = 0.0
@@ -147,6 +148,15 @@ def last_new_shape_step(steps: list[dict[str, Any]]) -> int:
     return 0
 
 
+def steady_windows(events: list[dict[str, Any]], role: str, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The role's balance windows that lie inside the measured steps [t0, t1] (1 s slack): not
+    the start-up, not the final checkpoint (a target waits through the drafters' save). Falls
+    back to every window ending after t0 when the run is too short for a whole window."""
+    mine = [e for e in events if e["event"] == "balance" and e["role"] == role]
+    inside = [e for e in mine if e["ts"] - e["window_s"] >= t0 - 1.0 and e["ts"] <= t1 + 1.0]
+    return inside or [e for e in mine if e["ts"] > t0]
+
+
 def summarize(
     events: list[dict[str, Any]],
     config: RunConfig,
@@ -174,7 +184,7 @@ def summarize(
     d_flops = sum(drafter_flops(config, s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
     roles: dict[str, Any] = {}
     for role, ranks, flops in (("target", n, t_flops), ("drafter", m, d_flops)):
-        windows = [e for e in events if e["event"] == "balance" and e["role"] == role and e["ts"] > t0]
+        windows = steady_windows(events, role, t0, t1)
         window_s = sum(e["window_s"] for e in windows)
         busy_s = sum(e["busy_s"] for e in windows)
         wait_s = sum(e["wait_s"] for e in windows)
@@ -250,8 +260,21 @@ def main() -> int:
     )
     parser.add_argument("--run-dir", default="", help="keep the job's run dir here (default: a temp dir)")
     parser.add_argument("--append-results", action="store_true", help="add a block to benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--summarize",
+        default="",
+        metavar="RUN_DIR",
+        help="only re-read RUN_DIR/events.jsonl of an earlier job (needs --peak-tflops); print the roles",
+    )
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="with --summarize: the measured peak")
     args, overrides = parser.parse_known_args()
     overrides = list(overrides)
+    if args.summarize:
+        config = load_config(args.config, overrides)
+        events = read_events(Path(args.summarize) / "events.jsonl")
+        result = summarize(events, config, args.topology, args.warmup_steps, args.peak_tflops * 1e12)
+        print(json.dumps(result), flush=True)
+        return 0
     if args.device == "cpu":
         overrides.append("--model.device=cpu")
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))

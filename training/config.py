@@ -61,7 +61,7 @@ class DrafterSection:
 
     num_layers: int = 5
     block_size: int = 16
-    num_anchors: int = 512
+    num_anchors: int = 512  # per max_length sequence; a bucket padded to T: ceil(512 * T / max_length)
     sliding_window: int = 2048
     full_attention_layers: tuple[int, ...] = (4,)  # the others slide over sliding_window
     gamma: float = 7.0

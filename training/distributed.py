@@ -81,7 +81,14 @@ from training.topology import (
     rank_config,
     shutdown,
 )
-from training.trainer import anchor_generator, build_drafter, drafter_config, drafter_step, lr_lambda
+from training.trainer import (
+    anchor_generator,
+    anchors_per_row,
+    build_drafter,
+    drafter_config,
+    drafter_step,
+    lr_lambda,
+)
 
 
 def _say(text: str) -> None:
@@ -184,7 +191,11 @@ class TargetWorker(Worker):
         hidden = target_forward(self.target, ids, self.layer_ids)  # queued on the GPU
         generator = anchor_generator(cfg.train.seed, batch.position)
         anchors = sample_anchors(
-            batch.loss_mask, batch.lengths, cfg.drafter.num_anchors, cfg.drafter.block_size, generator
+            batch.loss_mask,
+            batch.lengths,
+            anchors_per_row(cfg, batch.loss_mask.shape[1]),
+            cfg.drafter.block_size,
+            generator,
         ).to(device)
         if next_seq is not None:
             self.prefetched = {next_seq: self._batch(next_seq)}

@@ -9,7 +9,8 @@ Interface (the contract with the trainer; keep it):
       .forward(input_ids, target_hidden, loss_mask, anchors) -> DraftOutput
       .propose(target_hidden, last_token) -> LongTensor [N, B-1]   (greedy block, for eval)
     sample_anchors(loss_mask, lengths, num_anchors, block_size, generator) -> LongTensor [B, K]
-      K = min(num_anchors, T): the width depends on the padded length only (stable shapes)
+      K = min(num_anchors, T): the width depends on the padded length only (stable shapes);
+      callers pass DrafterConfig.anchors_for(T) (num_anchors scaled to the bucket's length)
     block_labels(input_ids, loss_mask, anchors, block_size) -> (labels, label_mask)  [B, K*bs]
     DFlashDrafter.block_hidden(input_ids, target_hidden, anchors) -> [B, K*bs, H]
     DFlashDrafter.variants() -> the attention windows in use (None = full): pass
@@ -76,6 +77,19 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...] = ()  # explicit target layers; () = select_target_layers(L, n)
     flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
     attention_backend: str = "auto"  # auto (flex on CUDA, blockwise on CPU) | flex | blockwise | dense
+    # The sequence length num_anchors is meant for (the data's max_length; 0 = every length).
+    # A bucket padded to T draws anchors_for(T) = ceil(num_anchors * T / anchor_length): the
+    # same anchor density at every length, so a batch of many short rows does not carry
+    # num_anchors * block_size query tokens per row (12 rows x 512 x 16 at T=1344 ran a
+    # 140 GiB H200 out of memory where 4 rows at T=4096 take 60 GiB).
+    anchor_length: int = 0
+
+    def anchors_for(self, padded_length: int) -> int:
+        """Anchors per row for a batch padded to ``padded_length`` (at least 1)."""
+        t = int(padded_length)
+        if self.anchor_length <= 0 or t >= self.anchor_length:
+            return max(1, min(self.num_anchors, t))
+        return max(1, min(t, -(-self.num_anchors * t // self.anchor_length)))
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -105,7 +105,7 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
     from training.config import load_config
     from training.drafter import sample_anchors
     from training.target import target_forward
-    from training.trainer import Trainer, anchor_generator, drafter_step
+    from training.trainer import Trainer, anchor_generator, anchors_per_row, drafter_step
 
     config = load_config(config_name, overrides)
     scratch = Path(tempfile.mkdtemp(prefix="fleet-plan-"))
@@ -139,7 +139,7 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
             t1 = time.perf_counter()
             gen = anchor_generator(config.train.seed, batch.position)
             anchors = sample_anchors(
-                mask, batch.lengths, config.drafter.num_anchors, config.drafter.block_size, gen
+                mask, batch.lengths, anchors_per_row(config, mask.shape[1]), config.drafter.block_size, gen
             )
             sync()
             t2 = time.perf_counter()

@@ -60,10 +60,16 @@ def drafter_config(config: RunConfig) -> DrafterConfig:
     """``DrafterConfig`` from the run config's [drafter] section (matching field names)."""
     known = {f.name for f in fields(DrafterConfig)}
     values = {f.name: getattr(config.drafter, f.name) for f in fields(config.drafter) if f.name in known}
+    values["anchor_length"] = config.data.max_length  # num_anchors is per max_length sequence
     try:
         return DrafterConfig(**values)
     except ValueError as exc:  # DrafterConfig's own checks name the key
         raise ConfigError(f"config key {exc}") from None
+
+
+def anchors_per_row(config: RunConfig, padded_length: int) -> int:
+    """``drafter.num_anchors`` scaled to a batch padded to ``padded_length`` (DrafterConfig.anchors_for)."""
+    return drafter_config(config).anchors_for(padded_length)
 
 
 def build_drafter(config: RunConfig, target: nn.Module, device: torch.device) -> DFlashDrafter:
@@ -289,7 +295,7 @@ class Trainer:
         anchors = sample_anchors(
             mask,
             batch.lengths,
-            self.config.drafter.num_anchors,
+            anchors_per_row(self.config, mask.shape[1]),
             self.config.drafter.block_size,
             anchor_generator(self.config.train.seed, batch.position),
         )

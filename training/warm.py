@@ -145,7 +145,7 @@ def warm_step(
     mask = torch.ones(b, t, dtype=torch.bool, device=device)
     lengths = torch.full((b,), t, dtype=torch.long)
     hidden = torch.empty(b, t, drafter.fc.in_features, device=device, dtype=hidden_dtype).normal_()
-    anchors = sample_anchors(mask, lengths, cfg.num_anchors, cfg.block_size, generator)
+    anchors = sample_anchors(mask, lengths, cfg.anchors_for(t), cfg.block_size, generator)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     drafter.train()
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):

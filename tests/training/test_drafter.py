@@ -216,3 +216,24 @@ def test_propose_returns_a_block_of_tokens() -> None:
     draft = drafter.propose(th, ids[:, -1])
     assert draft.shape == (2, 3) and draft.dtype == torch.long
     assert int(draft.min()) >= 0 and int(draft.max()) < 256
+
+
+def test_anchor_count_keeps_the_anchor_density_of_a_max_length_row() -> None:
+    cfg = DrafterConfig(num_anchors=512, anchor_length=4096)
+    assert [cfg.anchors_for(t) for t in (4096, 3200, 1344, 128, 5)] == [512, 400, 168, 16, 1]
+    assert cfg.anchors_for(8192) == 512  # never more than num_anchors
+    # Without a reference length: num_anchors at every length, capped by the row.
+    assert [DrafterConfig(num_anchors=32).anchors_for(t) for t in (4096, 20)] == [32, 20]
+    # Query tokens per batch stay near the long bucket's for the same token budget.
+    budget = 16384
+    queries = {t: (budget // t) * cfg.anchors_for(t) * cfg.block_size for t in (4096, 3200, 1344)}
+    assert max(queries.values()) <= 1.1 * queries[4096], queries
+
+
+def test_the_run_config_scales_anchors_with_the_buckets_length() -> None:
+    from training.config import load_config
+    from training.trainer import anchors_per_row, drafter_config
+
+    config = load_config("qwen3-8b-h200", [])
+    assert drafter_config(config).anchor_length == config.data.max_length == 4096
+    assert anchors_per_row(config, 1344) == 168 and anchors_per_row(config, 4096) == 512
