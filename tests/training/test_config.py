@@ -15,11 +15,26 @@ from training.config import CONFIG_DIR, ConfigError, load_config, read_config, w
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "qwen3-8b-h200", "qwen3.6-27b-5p3"])
+@pytest.mark.parametrize("name", ["tiny-cpu", "qwen3-8b-h200", "qwen3.6-27b-5p3", "qwen3-27b-random"])
 def test_shipped_configs_load(name: str) -> None:
     config = load_config(name)
     assert config.name == name
     assert (CONFIG_DIR / f"{name}.toml").is_file()
+
+
+def test_the_27b_class_random_target_is_the_users_shape() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.tinymodel import qwen3_config
+
+    config = load_config("qwen3-27b-random")
+    m = config.model
+    assert (m.kind, m.hidden_size, m.num_hidden_layers, m.vocab_size) == ("random", 5120, 64, 248320)
+    assert config.pipeline.topology == "5+3"
+    with torch.device("meta"):  # the shape the trainer builds, without allocating it
+        model = AutoModelForCausalLM.from_config(qwen3_config(m, m.vocab_size))
+    assert 26e9 < sum(p.numel() for p in model.parameters()) < 28e9  # 27B class
 
 
 def test_qwen3_8b_shape() -> None:
