@@ -3,11 +3,12 @@
 A deploy costs two commands on the target (two SSH round trips), both fixed scripts from
 ``fleet/remote/`` run as ``sh -c <script> <name> <args...>`` (arguments positional, never interpolated):
 
-1. ``deploy_prepare.sh``: create the workdir skeleton, remove leftovers of killed deploys
-   (``releases/.tmp-*``), report the existing releases, where ``current`` points and the release of
-   a live run;
+1. ``deploy_prepare.sh``: create the workdir skeleton, report the existing releases, where
+   ``current`` points and the release of a live run;
 2. ``deploy_install.sh`` with the release as one tar stream on stdin (``training/``,
-   ``remote/run.sh``, ``fleet-run.json``, ``MANIFEST.json`` last): extract into
+   ``remote/run.sh``, ``fleet-run.json``, ``MANIFEST.json`` last): take the workdir's deploy lock
+   (``flock -n .deploy.lock``; a second deploy at the same time fails at once, exit 75, nothing
+   touched), remove leftovers of killed deploys (``releases/.tmp-*``), extract into
    ``releases/.tmp-<id>/``, check the manifest arrived, ``mv -T`` it to ``releases/<id>``, point a new
    symlink at it under a temporary name and ``mv -T`` that onto ``current`` (one rename(2): readers
    see the old release or the new one, never neither), then delete the releases Python chose to prune.
@@ -283,11 +284,19 @@ def _user() -> str:
 # --- remote steps ---------------------------------------------------------------------------------
 
 
+DEPLOY_LOCKED_EXIT = 75  # deploy_install.sh: the workdir's deploy lock is held by another deploy
+
+
 def _sh(target: Target, script: str, name: str, args: Sequence[str], what: str, **kwargs: Any) -> str:
     """Run a fixed script from fleet/remote/ with positional args; DeployError on failure."""
     try:
         result = target.run(["sh", "-c", remote_script(script), name, *args], **kwargs)
     except CommandFailed as err:
+        if err.command_exit_code == DEPLOY_LOCKED_EXIT:
+            raise DeployError(
+                f"{target.name}: another `fab deploy` into {target.spec.workdir} is running; "
+                "nothing was changed: wait for it to finish, then retry"
+            ) from None
         raise DeployError(
             f"{target.name}: {what} failed ({err.stderr_tail or f'exit {err.command_exit_code}'}); "
             f"the previous release is still current; check {target.spec.workdir} and retry `fab deploy`"
@@ -296,7 +305,7 @@ def _sh(target: Target, script: str, name: str, args: Sequence[str], what: str, 
 
 
 def prepare(target: Target) -> RemoteState:
-    """Step 1: skeleton + leftover cleanup + state (one command)."""
+    """Step 1: skeleton + state (one command; changes nothing a running deploy uses)."""
     spec = target.spec
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION]
     out = _sh(target, "deploy_prepare.sh", "fleet-deploy-prepare", args, "preparing the deploy", timeout=120)

@@ -10,6 +10,7 @@ leaves either the previous checkpoints or the new one, never a torn file under t
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -38,6 +39,31 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
+
+
+def check_resumable(config: Any, run_dir: Path) -> None:
+    """Before a run writes its config into ``run_dir``: when the dir holds checkpoints, the model,
+    drafter and data settings must be those they were saved with (``ConfigError`` naming the
+    changed keys otherwise: a resume would load weights of another shape, or continue another
+    data order silently)."""
+    from training.config import ConfigError, resume_mismatches
+
+    saved_path = run_dir / "config.json"
+    if not list_checkpoints(run_dir) or not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{saved_path}: unreadable ({exc}); it belongs to the checkpoints in {run_dir}"
+        ) from None
+    changed = resume_mismatches(saved, config)
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ConfigError(
+            f"--run-dir {run_dir} holds checkpoints of another config ({'; '.join(changed[:3])}{more}): "
+            "resume with the values it was started with, or give a new --run-dir"
+        )
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

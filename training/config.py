@@ -361,6 +361,32 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
+# What a checkpoint depends on: a resume must not change these (steps, lr, logging, eval may).
+RESUME_SECTIONS = ("model", "drafter", "data")
+RESUME_FREE_KEYS = frozenset({"model.device", "model.cache_dir", "data.cache_dir", "data.num_proc"})
+
+
+def resume_mismatches(saved: dict[str, Any], current: RunConfig) -> list[str]:
+    """``section.key saved -> current`` for every checkpoint-relevant key that differs between a
+    run dir's saved config (``config.json`` as a dict) and ``current``. Pure; keys that only one
+    side has (an older fleet wrote the file) are not compared."""
+    now = config_to_dict(current)
+    changed = []
+    for section in RESUME_SECTIONS:
+        old, new = saved.get(section), now.get(section)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            continue
+        for key in sorted(old.keys() & new.keys()):
+            name = f"{section}.{key}"
+            if name not in RESUME_FREE_KEYS and _plain(old[key]) != _plain(new[key]):
+                changed.append(f"{name} {old[key]!r} -> {new[key]!r}")
+    return changed
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
 def read_config(run_dir: Path) -> RunConfig:
     path = run_dir / "config.json"
     if not path.is_file():
@@ -384,5 +410,6 @@ __all__ = [
     "build_config",
     "load_config",
     "read_config",
+    "resume_mismatches",
     "write_config",
 ]

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import attention, compile_cache, warm
 from training.buckets import Position, format_bucket_table
 from training.checkpoint import (
+    check_resumable,
     list_checkpoints,
     load_latest,
     remove_stale_temps,
@@ -560,6 +561,7 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
     topology = parse_topology(topology_text or config.pipeline.topology)
     _check_pipeline(config)
     run_dir = run_dir.resolve()
+    check_resumable(config, run_dir)  # every rank, before the rendezvous (rank 0 writes config.json after it)
     ctx = init_distributed(topology, config, config.pipeline.timeout_s)
     config = rank_config(config, ctx.device)
     if config.train.torch_threads > 0:

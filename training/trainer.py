@@ -27,7 +27,13 @@ from torch import nn
 
 from training import attention, warm
 from training.buckets import Position, format_bucket_table
-from training.checkpoint import load_latest, remove_stale_temps, restore_rng, save_checkpoint
+from training.checkpoint import (
+    check_resumable,
+    load_latest,
+    remove_stale_temps,
+    restore_rng,
+    save_checkpoint,
+)
 from training.config import ConfigError, RunConfig, config_to_dict, write_config
 from training.corpus import default_cache_dir
 from training.data import Batch, TrainData, load_tokenized
@@ -161,6 +167,7 @@ class Trainer:
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
             return
+        check_resumable(config, self.run_dir)
         self.logger, logger_line = make_logger(config, self.run_dir)
         write_config(config, self.run_dir)
         self.events.emit(

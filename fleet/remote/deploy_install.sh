@@ -3,13 +3,29 @@
 # complete (MANIFEST.json is the tar's last member), moves it to releases/ID, switches `current`
 # with one rename(2) of a new symlink, then prunes the releases the caller named.
 # Any failure before the final `mv -T` (a cut stream, a full disk) leaves `current` untouched;
-# the half upload stays as releases/.tmp-* until the next deploy's first step removes it.
+# the half upload stays as releases/.tmp-* until the next deploy removes it.
+# One deploy at a time per workdir: flock(1) on .deploy.lock, held until this script ends (the
+# kernel drops it when a killed deploy dies: no stale lock). A second deploy exits 75 at once,
+# touching nothing. Without flock (no util-linux) deploys are not serialized.
 set -eu
 workdir=$1
 tmp=$2
 id=$3
 shift 3
 cd -- "$workdir"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>>.deploy.lock
+    if ! flock -n 9; then
+        cat >/dev/null  # take the upload so the sender ends cleanly; nothing is written
+        echo "another deploy into $workdir is running (it holds $workdir/.deploy.lock)" >&2
+        exit 75
+    fi
+fi
+for left in releases/.tmp-* .current.tmp-*; do  # what killed deploys left behind
+    if [ -e "$left" ] || [ -L "$left" ]; then
+        rm -rf -- "$left"
+    fi
+done
 mkdir -- "releases/$tmp"
 tar -x -f - -C "releases/$tmp"
 test -f "releases/$tmp/MANIFEST.json" || { echo "upload incomplete: no MANIFEST.json" >&2; exit 65; }

@@ -1,16 +1,12 @@
 # fleet deploy, step 1 of 2 (sent as `sh -c <this> fleet-deploy-prepare WORKDIR TMUX SESSION`).
-# Creates the workdir skeleton, removes what killed deploys left behind, and reports the state
-# deploy needs: the existing releases, where `current` points, and the live run (never pruned).
+# Creates the workdir skeleton and reports the state deploy needs: the existing releases, where
+# `current` points, and the live run (never pruned). It changes nothing else: what killed deploys
+# left behind is removed by step 2, under the deploy lock (another deploy may be uploading now).
 set -eu
 workdir=$1
 tmux=$2
 session=$3
 mkdir -p -- "$workdir/releases" "$workdir/runs"
-for left in "$workdir"/releases/.tmp-* "$workdir"/.current.tmp-*; do
-    if [ -e "$left" ] || [ -L "$left" ]; then
-        rm -rf -- "$left"
-    fi
-done
 printf '@@current\n'
 readlink -- "$workdir/current" || true
 printf '@@releases\n'

@@ -269,3 +269,29 @@ def _slow_upload_main(workdir: str, marker: str) -> None:
 
 if __name__ == "__main__":
     _slow_upload_main(sys.argv[1], sys.argv[2])
+
+
+def test_a_second_deploy_while_one_is_uploading_is_refused_and_changes_nothing(target: LocalTarget) -> None:
+    work = Path(target.spec.workdir)
+    first = d.deploy(target, REPO)
+    lock = work / ".deploy.lock"
+    # A deploy in progress, as the kernel sees it: another process holds the workdir's flock.
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "120"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0:
+            assert time.monotonic() < deadline, "the lock holder never took the lock"
+            time.sleep(0.05)
+        (work / "releases" / ".tmp-its-upload").mkdir()  # the running deploy's half upload
+        before = sorted(p.name for p in (work / "releases").iterdir())
+        busy = r"another `fab deploy` into .* is running; nothing was changed"
+        with pytest.raises(DeployError, match=busy):
+            d.deploy(target, REPO)
+        assert sorted(p.name for p in (work / "releases").iterdir()) == before  # its upload untouched
+        assert os.readlink(work / "current") == f"releases/{first.id}"
+    finally:
+        os.killpg(holder.pid, 9)  # flock and its sleep (which inherited the locked descriptor)
+        holder.wait()
+    second = d.deploy(target, REPO)  # the lock is free again: the leftover goes, the deploy lands
+    assert sorted(p.name for p in (work / "releases").iterdir()) == sorted([first.id, second.id])
+    assert os.readlink(work / "current") == f"releases/{second.id}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from training.checkpoint import (
@@ -49,3 +50,30 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
     restore_rng(state)
     again = (torch.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and expected[1] == again[1]
+
+
+def test_resume_mismatches_name_only_what_a_checkpoint_depends_on() -> None:
+    from training.config import config_to_dict, load_config, resume_mismatches
+
+    saved = config_to_dict(load_config("tiny-cpu"))
+    same_shape = load_config(
+        "tiny-cpu", ["--train.steps=999", "--train.lr=1e-5", "--model.device=cpu", "--data.num_proc=4"]
+    )
+    assert resume_mismatches(saved, same_shape) == []
+    other = load_config("tiny-cpu", ["--drafter.block_size=4", "--data.seed=3"])
+    assert resume_mismatches(saved, other) == ["drafter.block_size 8 -> 4", "data.seed 0 -> 3"]
+    # An older config.json without a key: not compared; not a dict: ignored.
+    del saved["drafter"]["block_size"]
+    saved["data"] = "?"
+    assert resume_mismatches(saved, other) == []
+
+
+def test_a_run_dir_without_checkpoints_takes_any_config(tmp_path: Path) -> None:
+    from training.checkpoint import check_resumable
+    from training.config import ConfigError, load_config, write_config
+
+    write_config(load_config("tiny-cpu"), tmp_path)
+    check_resumable(load_config("tiny-cpu", ["--drafter.num_layers=3"]), tmp_path)  # no checkpoint yet
+    save_checkpoint(tmp_path, 1, {"step": 1}, keep=1)
+    with pytest.raises(ConfigError, match=r"drafter.num_layers 2 -> 3"):
+        check_resumable(load_config("tiny-cpu", ["--drafter.num_layers=3"]), tmp_path)

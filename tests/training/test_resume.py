@@ -110,3 +110,31 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tiny_cache: Path, tmp
     last_step = max(e["step"] for e in events if e["event"] == "step")
     saved = [e for e in events if e["event"] == "checkpoint"]
     assert saved and saved[-1]["step"] >= last_step and Path(saved[-1]["path"]).is_file()
+
+
+def test_a_resume_with_another_model_or_data_config_is_refused_in_one_line(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    _run(run_dir, 2, tiny_cache)  # checkpoint at step 2
+    saved = (run_dir / "config.json").read_text()
+    changed = subprocess.run(
+        [*_argv(run_dir, 4), "--drafter.num_layers=3", "--data.max_length=128"],
+        cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True,
+    )  # fmt: skip
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    lines = changed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in changed.stderr, changed.stderr
+    assert "holds checkpoints of another config" in lines[0]
+    assert "drafter.num_layers 2 -> 3" in lines[0] and "data.max_length 192 -> 128" in lines[0]
+    assert (run_dir / "config.json").read_text() == saved  # nothing overwritten
+    # More steps, another lr: what a resume may change. It continues from step 2.
+    _run_with(run_dir, 4, tiny_cache, "--train.lr=1e-4")
+    steps = [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
+    assert steps[-2:] == [3, 4]
+
+
+def _run_with(run_dir: Path, steps: int, cache: Path, *extra: str) -> None:
+    argv = [*_argv(run_dir, steps), *extra]
+    result = subprocess.run(argv, cwd=REPO, env=_env(cache), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
