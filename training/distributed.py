@@ -308,10 +308,7 @@ class DrafterWorker(Worker):
             if ctx.device.type == "cpu":
                 attention.set_cpu_compile(True)
             shapes = warm.num_compiled_shapes(planner)  # one per bucket (issue 7)
-            limit = attention.configure_compile(shapes, len(drafter.variants()))
-            if cfg.compile.recompile_limit > 0:
-                torch._dynamo.config.recompile_limit = cfg.compile.recompile_limit
-                limit = cfg.compile.recompile_limit
+            limit = warm.set_compile_guards(cfg, drafter, shapes)
             self._lead(f"compile: on, recompile_limit={limit}")
             self.compile_reporter = compile_cache.start(ctx.device, echo=self._lead)  # issue 7
         self.step, self.last_tau = 0, 1.0

@@ -250,10 +250,7 @@ class Trainer:
         if self.device.type == "cpu":
             attention.set_cpu_compile(True)
         buckets = warm.num_compiled_shapes(self.data.planner)  # (bucket, batch size) shapes (issue 7)
-        limit = attention.configure_compile(buckets, len(self.drafter.variants()))
-        if self.config.compile.recompile_limit > 0:
-            torch._dynamo.config.recompile_limit = self.config.compile.recompile_limit
-            limit = self.config.compile.recompile_limit
+        limit = warm.set_compile_guards(self.config, self.drafter, buckets)
         print0(f"compile: on, recompile_limit={limit} (fail_on_recompile_limit_hit) for {buckets} shapes")
         self.compile_reporter = warm.prepare_trainer(self)  # cache dir + blob; compile_cache events
 

@@ -321,5 +321,6 @@ __all__ = [
     "prepare_trainer",
     "prewarm",
     "run_warm",
+    "set_compile_guards",
     "warm_main",
 ]
