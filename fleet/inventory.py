@@ -20,13 +20,13 @@ from typing import Any, Literal
 
 from fleet.errors import ConfigError
 from fleet.layout import Layout
+from training.contract import Topology, parse_topology
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 LXC_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-TOPOLOGY_RE = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
 
 TOP_KEYS = ("default_target", "targets")
 TARGET_KEYS = (
@@ -113,21 +113,6 @@ class GateSpec:
     max_memory_mib: int = 64
     expected_name: str = ""
     timeout_s: float = 20.0
-
-
-@dataclass(frozen=True)
-class Topology:
-    """A split of the GPUs by role: ``targets`` GPUs run the frozen target, ``drafters`` train."""
-
-    targets: int
-    drafters: int
-
-    @property
-    def total(self) -> int:
-        return self.targets + self.drafters
-
-    def __str__(self) -> str:
-        return f"{self.targets}+{self.drafters}"
 
 
 @dataclass(frozen=True)
@@ -405,13 +390,15 @@ def _parse_topology(key: str, raw: Any, gpus: int, path: Path) -> Topology | Non
         return None
     tkey = f"{key}.topology"
     _check_type(raw, str, tkey, 'a string "N+M" (target GPUs + drafter GPUs)', path)
-    m = TOPOLOGY_RE.match(raw)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ConfigError(f'{path}: {tkey} = {raw!r} is not "N+M" with N, M >= 1; e.g. topology = "5+3"')
-    topo = Topology(targets=int(m.group(1)), drafters=int(m.group(2)))
-    if topo.total != gpus:
+    try:
+        topo = parse_topology(raw)
+    except ValueError:
         raise ConfigError(
-            f"{path}: {tkey} = {raw!r} sums to {topo.total} but {key}.gpus = {gpus}; make them agree"
+            f'{path}: {tkey} = {raw!r} is not "N+M" with N, M >= 1; e.g. topology = "5+3"'
+        ) from None
+    if topo.world_size != gpus:
+        raise ConfigError(
+            f"{path}: {tkey} = {raw!r} sums to {topo.world_size} but {key}.gpus = {gpus}; make them agree"
         )
     return topo
 

@@ -130,7 +130,7 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
     if spec.topology is None:
         return [python, *train]
-    launcher = ["-m", "training.topology", "--standalone", f"--nproc-per-node={spec.topology.total}"]
+    launcher = ["-m", "training.topology", "--standalone", f"--nproc-per-node={spec.topology.world_size}"]
     return [python, *launcher, *train, "--topology", str(spec.topology)]
 
 

@@ -5,84 +5,18 @@ budget (padded length x sequences), and all batches of an epoch are shuffled tog
 plan of epoch ``e`` depends only on (lengths, boundaries, budget, seed, e), so a position
 (epoch, batch index) is all a checkpoint needs to resume on exactly the next batch.
 
-The start-up table is printed in the user's format (``format_bucket_table``) and parsed back
-by ``parse_bucket_table`` (a pure parser, tested on the user's real log).
+The start-up table is printed in the user's format and parsed back by fleet: both halves are
+``training.contract``'s (``format_bucket_table``, ``parse_bucket_table``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Bucket:
-    index: int
-    lo: int  # tokens, inclusive
-    hi: int  # tokens, exclusive
-    batches: int
-    percent: float
-
-
-@dataclass(frozen=True)
-class BucketTable:
-    batches_per_epoch: int
-    min: int  # fewest sequences in a batch
-    max: int  # most sequences in a batch
-    avg: float
-    buckets: tuple[Bucket, ...]
-
-    def event_fields(self) -> dict[str, object]:
-        """The fields of the ``buckets`` event (training/EVENTS.md)."""
-        return {
-            "batches_per_epoch": self.batches_per_epoch,
-            "min": self.min,
-            "max": self.max,
-            "avg": self.avg,
-            "buckets": [asdict(b) for b in self.buckets],
-        }
-
-
-def format_bucket_table(table: BucketTable) -> str:
-    """The user's start-up log format, e.g.::
-
-    Batches per epoch: 46688 (min=2 max=64 avg=19.3)
-      Bucket 0 [   0, 770):  2120 batches ( 4.5%)
-    """
-    lines = [
-        f"Batches per epoch: {table.batches_per_epoch} (min={table.min} max={table.max} avg={table.avg:.1f})"
-    ]
-    for b in table.buckets:
-        lines.append(f"  Bucket {b.index} [{b.lo:4d},{b.hi:4d}): {b.batches:5d} batches ( {b.percent:.1f}%)")
-    return "\n".join(lines)
-
-
-_HEADER = re.compile(r"^Batches per epoch: (\d+) \(min=(\d+) max=(\d+) avg=([\d.]+)\)$")
-_ROW = re.compile(r"^\s+Bucket (\d+) \[\s*(\d+),\s*(\d+)\):\s+(\d+) batches \(\s*([\d.]+)%\)$")
-
-
-def parse_bucket_table(text: str) -> BucketTable:
-    """Parse the bucket table out of a start-up log (other lines around it are ignored)."""
-    header: tuple[int, int, int, float] | None = None
-    buckets: list[Bucket] = []
-    for line in text.splitlines():
-        line = line.rstrip()
-        match = _HEADER.match(line)
-        if match:
-            header = (int(match[1]), int(match[2]), int(match[3]), float(match[4]))
-            buckets = []
-            continue
-        match = _ROW.match(line)
-        if match and header is not None:
-            buckets.append(
-                Bucket(int(match[1]), int(match[2]), int(match[3]), int(match[4]), float(match[5]))
-            )
-    if header is None:
-        raise ValueError("no 'Batches per epoch: N (min=.. max=.. avg=..)' line found")
-    return BucketTable(header[0], header[1], header[2], header[3], tuple(buckets))
+from training.contract import Bucket, BucketTable, format_bucket_table, parse_bucket_table  # noqa: F401
 
 
 def bucket_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int, max_length: int) -> list[int]:
@@ -135,7 +69,7 @@ def plan_epoch(
             if len(batch) < per_batch <= len(members):
                 # The tail batch is topped up with the bucket's first sequences of this epoch, so
                 # every batch of a bucket has one shape: one compile per bucket, never a tail's
-                # extra one (issue 7). A bucket smaller than one batch is a single batch anyway.
+                # extra one. A bucket smaller than one batch is a single batch anyway.
                 batch = np.concatenate([batch, members[: per_batch - len(batch)]])
             batches.append((b, batch))
     order = rng.permutation(len(batches))

@@ -9,10 +9,10 @@ Several hosts: ``torchrun --nnodes=H --node-rank=I --rdzv-backend=c10d
 --rdzv-endpoint=HOST0:29500 --nproc-per-node=G -m training train ... --topology N+M``
 with ``N + M = H * G``; global ranks are assigned node by node, so with 2 hosts of 4 GPUs
 and ``5+3`` host 0 runs targets 0-3 and host 1 runs target 4 and the 3 drafters. Each
-process drives one GPU (never threads: field notes) and sees it as ``cuda:0``: before CUDA
+process drives one GPU (never threads: they compile concurrently) and sees it as ``cuda:0``: before CUDA
 starts, ``CUDA_VISIBLE_DEVICES`` is narrowed to the LOCAL_RANK-th GPU of the host (or of the
 list the launcher was given). Inductor's cache key holds the device index, so this is what lets
-one warm-up on ``cuda:0`` (``fab warm``) serve every rank (issue 7). ``FLEET_RANKS_SEE_ALL_GPUS=1``
+one warm-up on ``cuda:0`` (``fab warm``) serve every rank. ``FLEET_RANKS_SEE_ALL_GPUS=1``
 keeps all GPUs visible and uses ``cuda:LOCAL_RANK`` instead.
 
 Groups (created in the same order on every rank, as torch.distributed requires):
@@ -33,7 +33,6 @@ job in bounded time with an ``error`` event naming the rank, its role and host.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import sys
@@ -44,52 +43,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training import contract
 from training.config import ConfigError, RunConfig
+from training.contract import Topology
 
 STARTUP_TIMEOUT_S = 1800.0
-_TOPOLOGY = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """``targets`` target ranks and ``drafters`` drafter ranks."""
-
-    targets: int
-    drafters: int
-
-    @property
-    def world_size(self) -> int:
-        return self.targets + self.drafters
-
-    def __str__(self) -> str:
-        return f"{self.targets}+{self.drafters}"
-
-    def role_of(self, rank: int) -> tuple[str, int]:
-        """(role, index within the role) of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside topology {self} (ranks 0..{self.world_size - 1})")
-        if rank < self.targets:
-            return "target", rank
-        return "drafter", rank - self.targets
-
-    @property
-    def target_ranks(self) -> list[int]:
-        return list(range(self.targets))
-
-    @property
-    def drafter_ranks(self) -> list[int]:
-        return list(range(self.targets, self.world_size))
 
 
 def parse_topology(text: str) -> Topology:
     """``"5+3"`` -> Topology(5, 3); ``ConfigError`` (one line) for anything else."""
-    match = _TOPOLOGY.match(text or "")
-    if not match:
-        raise ConfigError(f"--topology {text!r}: expected N+M (target ranks + drafter ranks), e.g. 5+3")
-    targets, drafters = int(match[1]), int(match[2])
-    if targets < 1 or drafters < 1:
-        raise ConfigError(f"--topology {text!r}: needs at least one target and one drafter rank (e.g. 1+1)")
-    return Topology(targets, drafters)
+    try:
+        return contract.parse_topology(text)
+    except ValueError as err:
+        raise ConfigError(f"--topology {text!r}: {err}") from None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,387 @@
+"""What the trainer and fleet agree on, written once: the events.jsonl schema and its reader, the
+bucket table of the start-up log, and the N+M topology.
+
+The trainer writes these (``training.events.EventWriter``, ``format_bucket_table``, ``--topology``);
+fleet, on the controller, reads them (``fab status``, ``fab plot``, the inventory's ``topology``).
+This module ships inside ``training/`` and is imported by the controller too, where torch may be
+absent: it must import nothing but the standard library (and ``training/__init__.py`` must stay
+free of imports). The events contract in words, with units, is ``training/EVENTS.md``; the tables
+below are its machine-checked form.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# --- events.jsonl ---------------------------------------------------------------------------------
+
+SCHEMA_VERSION = 1
+EVENTS_FILE = "events.jsonl"
+ROLES = ("single", "target", "drafter")
+PHASES = (
+    "load_data",
+    "buckets",
+    "load_target",
+    "load_drafter",
+    "compile",
+    "train",
+    "eval",
+    "checkpoint",
+    "done",
+    "stopped",
+    "error",
+)
+
+# Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "buckets", "phase", "role".
+COMMON_FIELDS: dict[str, str] = {"v": "int", "ts": "float", "event": "str", "rank": "int", "role": "role"}
+
+EVENT_FIELDS: dict[str, dict[str, str]] = {
+    "run_start": {
+        "config": "str",
+        "run_dir": "str",
+        "pid": "int",
+        "host": "str",
+        "world_size": "int",
+        "device": "str",
+    },
+    "phase": {"phase": "phase"},
+    "buckets": {
+        "batches_per_epoch": "int",
+        "min": "int",
+        "max": "int",
+        "avg": "float",
+        "buckets": "buckets",
+    },
+    "load_progress": {"what": "str", "done": "int", "total": "int", "seconds": "float"},
+    "step": {
+        "step": "int",
+        "total_steps": "int",
+        "epoch": "int",
+        "loss": "float",
+        "acc": "list[float]",
+        "tau": "float",
+        "lr": "float",
+        "tokens_per_s": "float",
+        "grad_norm": "float",
+        "mem_gib": "float",
+    },
+    "checkpoint": {"step": "int", "path": "str", "seconds": "float"},
+    "eval": {"step": "int", "tau_mean": "float", "tau_hist": "list[int]", "tau_estimate": "float"},
+    "compile_cache": {
+        "fxgraph_hit": "int",
+        "fxgraph_miss": "int",
+        "aotautograd_hit": "int",
+        "aotautograd_miss": "int",
+    },
+    "balance": {"window_s": "float", "busy_s": "float", "wait_s": "float", "tokens_per_s": "float"},
+    "error": {"type": "str", "message": "str", "traceback_tail": "str"},
+    "done": {"steps": "int", "seconds": "float"},
+}
+
+BUCKET_FIELDS: dict[str, str] = {
+    "index": "int",
+    "lo": "int",
+    "hi": "int",
+    "batches": "int",
+    "percent": "float",
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_float(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and not (
+        isinstance(value, float) and math.isinf(value)
+    )
+
+
+def _check(kind: str, value: object, where: str) -> list[str]:
+    """Problems with ``value`` against field kind ``kind``; empty when it fits."""
+    ok: bool
+    if kind == "int":
+        ok = _is_int(value)
+    elif kind == "float":
+        ok = _is_float(value)
+    elif kind == "str":
+        ok = isinstance(value, str)
+    elif kind == "role":
+        ok = value in ROLES
+    elif kind == "phase":
+        ok = value in PHASES
+    elif kind == "list[float]":
+        ok = isinstance(value, list) and all(_is_float(x) for x in value)
+    elif kind == "list[int]":
+        ok = isinstance(value, list) and all(_is_int(x) for x in value)
+    elif kind == "buckets":
+        if not isinstance(value, list):
+            return [f"{where}: expected a list of buckets, got {type(value).__name__}"]
+        problems: list[str] = []
+        for i, bucket in enumerate(value):
+            if not isinstance(bucket, dict):
+                problems.append(f"{where}[{i}]: expected an object")
+                continue
+            for name, sub in BUCKET_FIELDS.items():
+                if name not in bucket:
+                    problems.append(f"{where}[{i}].{name}: missing")
+                else:
+                    problems.extend(_check(sub, bucket[name], f"{where}[{i}].{name}"))
+        return problems
+    else:  # pragma: no cover - a typo in the table above
+        raise ValueError(f"unknown field kind {kind!r}")
+    if ok:
+        return []
+    return [f"{where}: expected {kind}, got {value!r:.60}"]
+
+
+def validate_event(obj: object) -> list[str]:
+    """Every way ``obj`` (one parsed events.jsonl line) breaks the schema; empty when valid.
+
+    Unknown events and extra fields are allowed (forward compatible); known events must
+    carry all their fields with the right types. NaN is accepted for floats (a diverged loss
+    is still a valid report), infinity is not (JSON cannot carry it).
+    """
+    if not isinstance(obj, dict):
+        return [f"line is {type(obj).__name__}, expected an object"]
+    problems: list[str] = []
+    for name, kind in COMMON_FIELDS.items():
+        if name not in obj:
+            problems.append(f"{name}: missing")
+        else:
+            problems.extend(_check(kind, obj[name], name))
+    if obj.get("v") not in (None, SCHEMA_VERSION) and _is_int(obj.get("v")):
+        problems.append(f"v: unsupported schema version {obj['v']} (this reader knows {SCHEMA_VERSION})")
+    event = obj.get("event")
+    fields = EVENT_FIELDS.get(event) if isinstance(event, str) else None
+    if fields is None:
+        return problems
+    for name, kind in fields.items():
+        if name not in obj:
+            problems.append(f"{event}.{name}: missing")
+        else:
+            problems.extend(_check(kind, obj[name], f"{event}.{name}"))
+    return problems
+
+
+def validate_line(line: str) -> list[str]:
+    """Parse one events.jsonl line and validate it."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return [f"not JSON: {exc.msg} at column {exc.colno}"]
+    return validate_event(obj)
+
+
+@dataclass(frozen=True)
+class ParsedEvents:
+    """The readable events of a text, and how many lines were not."""
+
+    events: tuple[dict[str, Any], ...]
+    skipped: int
+
+
+def _objects(lines: Iterable[str]) -> tuple[list[object], int]:
+    """The JSON value of each non-blank line, and how many lines were not JSON (torn, garbage)."""
+    values: list[object] = []
+    broken = 0
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            values.append(json.loads(line))
+        except ValueError:
+            broken += 1
+    return values, broken
+
+
+def _readable(obj: object) -> bool:
+    """An event a reader can place: this schema version, a named event, a numeric time."""
+    return (
+        isinstance(obj, dict)
+        and obj.get("v") == SCHEMA_VERSION
+        and isinstance(obj.get("event"), str)
+        and _is_float(obj.get("ts"))
+    )
+
+
+def parse_events(text: str, *, truncated: bool = False) -> ParsedEvents:
+    """events.jsonl text -> events. Torn, foreign-version and non-JSON lines are skipped and counted.
+
+    ``truncated``: the text is a tail cut at a byte offset, so its first line is partial. NUL
+    bytes (what a crash can leave in a preallocated block) are dropped.
+    """
+    lines = text.replace("\x00", "").split("\n")
+    if truncated and lines:
+        lines = lines[1:]
+    values, broken = _objects(lines)
+    events = tuple(obj for obj in values if _readable(obj))
+    return ParsedEvents(events, broken + len(values) - len(events))  # type: ignore[arg-type]
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every JSON object of an events.jsonl file, as written (a torn last line is skipped).
+
+    Unlike :func:`parse_events` it keeps objects that break the schema, so a test can
+    :func:`validate_event` each one.
+    """
+    with open(path, encoding="utf-8") as handle:
+        values, _broken = _objects(handle)
+    return [obj for obj in values if isinstance(obj, dict)]
+
+
+# --- the bucket table of the start-up log ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    lo: int  # tokens, inclusive
+    hi: int  # tokens, exclusive
+    batches: int
+    percent: float
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    batches_per_epoch: int
+    min: int  # fewest sequences in a batch
+    max: int  # most sequences in a batch
+    avg: float
+    buckets: tuple[Bucket, ...]
+
+    def event_fields(self) -> dict[str, object]:
+        """The fields of the ``buckets`` event (training/EVENTS.md)."""
+        return {
+            "batches_per_epoch": self.batches_per_epoch,
+            "min": self.min,
+            "max": self.max,
+            "avg": self.avg,
+            "buckets": [asdict(b) for b in self.buckets],
+        }
+
+    @classmethod
+    def from_event(cls, fields: Mapping[str, Any]) -> BucketTable | None:
+        """The table a ``buckets`` event carries; None when its fields do not make one."""
+        try:
+            rows = tuple(
+                Bucket(int(b["index"]), int(b["lo"]), int(b["hi"]), int(b["batches"]), float(b["percent"]))
+                for b in fields.get("buckets", [])
+            )
+            return cls(
+                int(fields["batches_per_epoch"]),
+                int(fields["min"]),
+                int(fields["max"]),
+                float(fields["avg"]),
+                rows,
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def format_bucket_table(table: BucketTable) -> str:
+    """The user's start-up log format, e.g.::
+
+    Batches per epoch: 46688 (min=2 max=64 avg=19.3)
+      Bucket 0 [   0, 770):  2120 batches ( 4.5%)
+    """
+    lines = [
+        f"Batches per epoch: {table.batches_per_epoch} (min={table.min} max={table.max} avg={table.avg:.1f})"
+    ]
+    for b in table.buckets:
+        lines.append(f"  Bucket {b.index} [{b.lo:4d},{b.hi:4d}): {b.batches:5d} batches ( {b.percent:.1f}%)")
+    return "\n".join(lines)
+
+
+_HEADER = re.compile(r"Batches per epoch:\s*(\d+)\s*\(min=(\d+)\s+max=(\d+)\s+avg=([\d.]+)\)")
+_ROW = re.compile(r"^\s*Bucket\s+(\d+)\s*\[\s*(\d+)\s*,\s*(\d+)\s*\):\s*(\d+)\s+batches\s*\(\s*([\d.]+)%\)")
+# torchrun's per-rank prefixes on every line of a multi-process log ("[rank0]:", "[default0]:")
+RANK_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)+")
+
+
+def log_lines(text: str) -> list[str]:
+    """Log text -> lines: NULs dropped, ``\\r`` (progress bars) as a line break, rank prefixes removed."""
+    text = text.replace("\x00", "")
+    return [RANK_PREFIX.sub("", raw).rstrip() for raw in re.split(r"\r\n|\r|\n", text)]
+
+
+def find_bucket_table(text: str) -> BucketTable | None:
+    """The last bucket table printed in a log, or None.
+
+    Read from a live log: other lines may precede the header on its line (a timestamp) or come
+    between the rows (another rank's output); each ``Batches per epoch`` line starts a new table.
+    """
+    table: tuple[int, int, int, float] | None = None
+    rows: list[Bucket] = []
+    for line in log_lines(text):
+        head = _HEADER.search(line)
+        if head:
+            table = (int(head[1]), int(head[2]), int(head[3]), float(head[4]))
+            rows = []
+            continue
+        row = _ROW.match(line)
+        if row and table is not None:
+            rows.append(Bucket(int(row[1]), int(row[2]), int(row[3]), int(row[4]), float(row[5])))
+    return None if table is None else BucketTable(*table, tuple(rows))
+
+
+def parse_bucket_table(text: str) -> BucketTable:
+    """The bucket table of a start-up log (other lines around it are ignored); ValueError if none."""
+    table = find_bucket_table(text)
+    if table is None:
+        raise ValueError("no 'Batches per epoch: N (min=.. max=.. avg=..)' line found")
+    return table
+
+
+# --- the N+M topology -----------------------------------------------------------------------------
+
+_TOPOLOGY = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``targets`` ranks (GPUs) run the frozen target, ``drafters`` ranks train the drafter."""
+
+    targets: int
+    drafters: int
+
+    @property
+    def world_size(self) -> int:
+        return self.targets + self.drafters
+
+    def __str__(self) -> str:
+        return f"{self.targets}+{self.drafters}"
+
+    def role_of(self, rank: int) -> tuple[str, int]:
+        """(role, index within the role) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside topology {self} (ranks 0..{self.world_size - 1})")
+        if rank < self.targets:
+            return "target", rank
+        return "drafter", rank - self.targets
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.targets))
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.targets, self.world_size))
+
+
+def parse_topology(text: str) -> Topology:
+    """``"5+3"`` -> Topology(5, 3); ValueError saying what is wrong (the caller names the key)."""
+    match = _TOPOLOGY.match(text or "")
+    if not match:
+        raise ValueError("expected N+M (target ranks + drafter ranks), e.g. 5+3")
+    targets, drafters = int(match[1]), int(match[2])
+    if targets < 1 or drafters < 1:
+        raise ValueError("needs at least one target and one drafter rank (e.g. 1+1)")
+    return Topology(targets, drafters)
