@@ -35,12 +35,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from fleet import remote
 from fleet.errors import CommandFailed, DeployError
 from fleet.inventory import TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import Target
 
-REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 RELEASE_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([0-9a-f]{7})(-dirty)?$")
 TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 NO_COMMIT_SHA = "0000000"
@@ -49,11 +49,6 @@ RUN_SPEC_FILE = "fleet-run.json"
 MANIFEST_FILE = "MANIFEST.json"
 SKIP_DIRS = frozenset({"__pycache__", ".pytest_cache", ".ruff_cache"})
 SKIP_SUFFIXES = (".pyc", ".pyo")
-
-
-def remote_script(name: str) -> str:
-    """The text of a fixed script in ``fleet/remote/`` (sent as ``sh -c <text> name args...``)."""
-    return (REMOTE_DIR / name).read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -242,7 +237,7 @@ def build_release_tar(
     package = repo_root / SHIPPED_PACKAGE
     if not (package / "__init__.py").is_file():
         raise DeployError(f"{package}: the `{SHIPPED_PACKAGE}` package is missing; run deploy from the repo")
-    entries = [*_walk_package(package), ("remote/run.sh", REMOTE_DIR / "run.sh")]
+    entries = [*_walk_package(package), ("remote/run.sh", remote.path("run.sh"))]
     content = hashlib.sha256()
     total = 0
     buf = io.BytesIO()
@@ -287,10 +282,10 @@ def _user() -> str:
 DEPLOY_LOCKED_EXIT = 75  # deploy_install.sh: the workdir's deploy lock is held by another deploy
 
 
-def _sh(target: Target, script: str, name: str, args: Sequence[str], what: str, **kwargs: Any) -> str:
-    """Run a fixed script from fleet/remote/ with positional args; DeployError on failure."""
+def _sh(target: Target, argv: Sequence[str], what: str, **kwargs: Any) -> str:
+    """Run a deploy script (``remote.sh(...)``); DeployError on failure."""
     try:
-        result = target.run(["sh", "-c", remote_script(script), name, *args], **kwargs)
+        result = target.run(argv, **kwargs)
     except CommandFailed as err:
         if err.command_exit_code == DEPLOY_LOCKED_EXIT:
             raise DeployError(
@@ -308,7 +303,7 @@ def prepare(target: Target) -> RemoteState:
     """Step 1: skeleton + state (one command; changes nothing a running deploy uses)."""
     spec = target.spec
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION]
-    out = _sh(target, "deploy_prepare.sh", "fleet-deploy-prepare", args, "preparing the deploy", timeout=120)
+    out = _sh(target, remote.sh("deploy_prepare.sh", *args), "preparing the deploy", timeout=120)
     return parse_prepare_output(out)
 
 
@@ -332,16 +327,15 @@ def deploy(target: Target, repo_root: Path) -> Release:
     )
     args = [spec.workdir, f".tmp-{release_id}", release_id, *prune]
     # Named like Target.put_tar's command: it is the release upload (tools and tests recognise it by it).
-    what = f"installing release {release_id}"
-    _sh(target, "deploy_install.sh", "fleet-put-tar", args, what, stdin=tar_chunks(data), timeout=600)
+    install = remote.sh("deploy_install.sh", *args, dollar0="fleet-put-tar")
+    _sh(target, install, f"installing release {release_id}", stdin=tar_chunks(data), timeout=600)
     return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
 
 
 def current_release(target: Target) -> Release | None:
     """The release ``current`` points at, with its manifest; None before the first deploy."""
     layout = target.spec.layout
-    script = 'readlink -- "$1/current" || exit 0; printf "@@manifest\\n"; cat -- "$1/current/MANIFEST.json"'
-    result = target.run(["sh", "-c", script, "fleet-current", layout.workdir], check=False)
+    result = target.run(remote.sh("deploy_current.sh", layout.workdir), check=False)
     sec = parse_sections("@@link\n" + result.stdout, last="manifest")
     release_id = release_id_from_link(sec.get("link", "").strip())
     if release_id is None:

@@ -38,12 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet import remote
 from fleet.env_drift import DriftReport, diff_env, parse_lock, parse_uv_check
 from fleet.errors import ConfigError, EnvError, tail_lines
 from fleet.inventory import TargetSpec
 from fleet.target import CommandResult, Target
 
-PROBE = Path(__file__).parent / "remote" / "env_probe.py"
+PROBE = remote.path("env_probe.py")
 DEF_DIR = "fleet-env"  # inside an env dir: pyproject.toml, uv.lock, env_probe.py, manifest.json
 HASH_LEN = 16
 LINK_MODE = "copy"
@@ -194,17 +195,6 @@ def controller_uv() -> tuple[str, str]:
 # --- target side -------------------------------------------------------------------------------
 
 
-# Shell snippets run as `sh -c SNIPPET NAME ARGS...` (arguments never pasted into the text).
-PROVISION_SH = """\
-printf 'machine\\t%s\\n' "$(uname -m)"
-if t=$("$1" -V 2>/dev/null); then printf 'tmux\\t%s\\n' "$t"; fi
-shift
-for c in "$@"; do if v=$("$c" --version 2>/dev/null); then printf 'uv\\t%s\\t%s\\n' "$c" "$v"; fi; done
-"""
-FIND_PYTHON_SH = 'p=$("$1" python find --system --no-project "$2") || exit 3; exec "$p" -I "$3" interp'
-SYNC_SH = '"$1" venv -q --relocatable --no-project --python "$2" "$3" && shift 3 && exec "$@"'
-
-
 @dataclass(frozen=True)
 class ProvisionFacts:
     """What the provisioning probe found on a target (``parse_provision``)."""
@@ -215,7 +205,7 @@ class ProvisionFacts:
 
 
 def parse_provision(text: str) -> ProvisionFacts:
-    """Parse PROVISION_SH output (tab-separated lines). Pure."""
+    """Parse ``remote/env_provision.sh``'s output (tab-separated lines). Pure."""
     machine, tmux, uv = "", "", {}
     for line in text.splitlines():
         kind, _, rest = line.partition("\t")
@@ -256,8 +246,8 @@ class Provisioner:
     def provision(self) -> tuple[str, str]:
         """(uv path, tmux version) on the target: one probe, then push uv / install tmux if needed."""
         _local, version = controller_uv()
-        argv = ["sh", "-c", PROVISION_SH, "fleet-provision", self.spec.commands.tmux]
-        argv += [self.spec.commands.uv, self.layout.uv_binary]
+        commands = self.spec.commands
+        argv = remote.sh("env_provision.sh", commands.tmux, commands.uv, self.layout.uv_binary)
         facts = parse_provision(self.target.run(argv).stdout)
         uv = next((path for path, v in facts.uv.items() if v == version), "")
         if not uv:
@@ -303,7 +293,7 @@ class Provisioner:
     def python_facts(self, uv: str, env_def: EnvDef, probe: str) -> dict[str, Any]:
         """The interpreter matching requires-python (uv installs one where it can): probe ``interp``."""
         request = env_def.requires_python
-        argv = ["sh", "-c", FIND_PYTHON_SH, "fleet-find-python", uv, request, probe]
+        argv = remote.sh("env_find_python.sh", uv, request, probe)
         res = self.target.run(argv, env=self.uv_env(), check=False)
         install = None
         if res.exit_code == 3:
@@ -383,7 +373,7 @@ def build_env(target: Target, env_def: EnvDef, *, reuse: bool = True) -> EnvInfo
                 return _info(target, env_def.name, _loads(target, res, "rollback")["manifest"], built=False)
         print(f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']})", flush=True)
         sync = [uv, "sync", "--locked", "--no-install-project", "--link-mode", LINK_MODE]
-        argv = ["sh", "-c", SYNC_SH, "fleet-sync", uv, interp["executable"], venv, *sync]
+        argv = remote.sh("env_sync.sh", uv, interp["executable"], venv, *sync)
         res = target.run_stream(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
         if res.exit_code != 0:
             raise EnvError(

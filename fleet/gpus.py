@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from fleet import remote
 from fleet.errors import FleetError, GpuGateError
 
 if TYPE_CHECKING:
@@ -35,32 +36,6 @@ QUERY_FIELDS = (
 )  # fmt: skip
 APPS_FIELDS = ("pid", "gpu_uuid", "process_name", "used_gpu_memory")
 CPU_LINE = "no GPUs configured: running on CPU"
-
-# Runs one location's whole probe; everything variable arrives as positional arguments.
-# $1 timeout_s  $2 nvidia-smi  $3 query fields  $4 apps fields  $5 parts ("query apps xml")  $6 latest run dir
-PROBE_SCRIPT = r"""
-t=$1; smi=$2
-if command -v timeout >/dev/null 2>&1; then has_timeout=1; else has_timeout=0; fi
-run_smi() { if [ $has_timeout = 1 ]; then timeout -k 2 "$t" "$smi" "$@"; else "$smi" "$@"; fi; }
-section() {
-  name=$1; shift; out=$(run_smi "$@" 2>&1); rc=$?; printf '@@fleet %s %s\n%s\n' "$name" $rc "$out"
-}
-section query --query-gpu="$3" --format=csv
-case $rc in 124|126|127|137) exit 0 ;; esac
-case " $5 " in *" apps "*)
-  section apps --query-compute-apps="$4" --format=csv
-  pids=$(printf '%s\n' "$out" | sed -n 's/^ *\([0-9][0-9]*\) *,.*/\1/p' | sort -u | tr '\n' ',')
-  pids=${pids%,}
-  if [ -n "$pids" ]; then
-    psout=$(ps -ww -o pid=,pgid=,user=,args= -p "$pids" 2>&1); prc=$?
-    printf '@@fleet ps %s\n%s\n' $prc "$psout"
-  fi ;;
-esac
-case " $5 " in *" xml "*) section xml -q -x ;; esac
-if [ -n "$6" ]; then printf '@@fleet runids 0\n'; cat -- "$6/pid" "$6/pgid" 2>/dev/null; fi
-exit 0
-"""
-
 
 # --- parsed data ----------------------------------------------------------------------------------
 
@@ -134,7 +109,7 @@ class Answer:
 
 @dataclass(frozen=True)
 class Probe:
-    """Everything one location answered (``PROBE_SCRIPT``); absent parts are ``None``."""
+    """Everything one location answered (``remote/gpu_probe.sh``); absent parts are ``None``."""
 
     where: str
     query: Answer
@@ -279,7 +254,7 @@ def parse_ps(text: str) -> dict[int, ProcessInfo]:
 
 
 def parse_probe(text: str, where: str) -> Probe:
-    """Split ``PROBE_SCRIPT``'s output into its ``@@fleet <part> <rc>`` sections."""
+    """Split ``remote/gpu_probe.sh``'s output into its ``@@fleet <part> <rc>`` sections."""
     parts: dict[str, Answer] = {}
     name, code, lines = "", 0, []
     for line in [*text.splitlines(), "@@fleet end 0"]:
@@ -513,10 +488,8 @@ def _gpu_reasons(gpu: GpuInfo, procs: list[GpuProcess], health: GpuHealth | None
 def _probe(target: Target, where: Where, parts: str, latest_run: str) -> Probe:
     spec = target.spec
     timeout = spec.gpu_gate.timeout_s
-    argv = [
-        "sh", "-c", PROBE_SCRIPT, "fleet-gpu-probe", f"{timeout:g}", spec.commands.nvidia_smi,
-        ",".join(QUERY_FIELDS), ",".join(APPS_FIELDS), parts, latest_run,
-    ]  # fmt: skip
+    fields = ",".join(QUERY_FIELDS), ",".join(APPS_FIELDS)
+    argv = remote.sh("gpu_probe.sh", f"{timeout:g}", spec.commands.nvidia_smi, *fields, parts, latest_run)
     result = target.run(argv, check=True, timeout=3 * (timeout + 2) + 30, where=where)
     label = "host" if where == "host" else spec.container.display if spec.container else spec.display
     return parse_probe(result.stdout, label)

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link, remote_script
+from fleet import remote
+from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import RUN_SESSION
@@ -135,7 +136,6 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
 
 
 COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # issue 7: the compile-cache root (training.compile_cache)
-WARM_SH = 'eval "$(cat)" && exec "$@"'  # stdin: env_file_text (shlex-quoted export lines)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:
@@ -158,7 +158,7 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     spec = target.spec
     if spec.run.module != "training":
         return False
-    argv = ["sh", "-c", WARM_SH, "fleet-warm", *warm_argv(spec, if_needed=if_needed)]
+    argv = remote.sh("run_warm.sh", *warm_argv(spec, if_needed=if_needed))
     res = target.run_stream(argv, cwd=spec.layout.current, check=False, stdin=env_file_text(run_env(spec)))
     if res.exit_code != 0:
         why = tail_lines(res.stderr, 3) or f"exit {res.exit_code}"
@@ -243,7 +243,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
 def _state(target: Target, lines: int) -> BasicStatus:
     spec = target.spec
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, str(max(int(lines), 0))]
-    result = target.run(["sh", "-c", remote_script("run_state.sh"), "fleet-run-state", *args], timeout=60)
+    result = target.run(remote.sh("run_state.sh", *args), timeout=60)
     return parse_state(target.name, result.stdout)
 
 
@@ -322,11 +322,8 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
         "tmux_session": RUN_SESSION,
     }
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, json.dumps(record), *argv]
-    script = remote_script("run_launch.sh")
     try:
-        target.run(
-            ["sh", "-c", script, "fleet-run-launch", *args], stdin=env_file_text(run_env(spec)), timeout=60
-        )
+        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(run_env(spec)), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:
             return None
@@ -348,9 +345,7 @@ def stop_run(target: Target, force: bool = False, timeout_s: float = 60) -> Basi
     sig = "KILL" if force else "TERM"
     wait_s = max(1, math.ceil(timeout_s))
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, sig, str(wait_s)]
-    result = target.run(
-        ["sh", "-c", remote_script("run_stop.sh"), "fleet-run-stop", *args], timeout=wait_s + 30
-    )
+    result = target.run(remote.sh("run_stop.sh", *args), timeout=wait_s + 30)
     words = result.stdout.split()
     outcome = words[0] if words else ""
     if outcome == "none":

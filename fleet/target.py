@@ -31,6 +31,7 @@ from typing import IO, Literal, TextIO
 import paramiko
 from fabric import Config, Connection
 
+from fleet import remote
 from fleet.errors import CommandFailed, TargetError
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import Layout
@@ -138,8 +139,7 @@ class Target:
 
     def put_tar(self, stream: IO[bytes] | Iterable[bytes], dest_dir: str) -> None:
         """Extract a tar ``stream`` into ``dest_dir`` (created if missing) with one command."""
-        script = 'mkdir -p -- "$1" && exec tar -x -f - -C "$1"'
-        self.run(["sh", "-c", script, "fleet-put-tar", dest_dir], stdin=stream)
+        self.run(remote.sh("put_tar.sh", dest_dir), stdin=stream)
 
     def command_for(
         self,

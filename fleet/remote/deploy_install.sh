@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # fleet deploy, step 2 of 2 (sent as `sh -c <this> fleet-put-tar WORKDIR TMPNAME ID [PRUNE...]`,
 # the release as one tar stream on stdin). Extracts into releases/TMPNAME, checks the upload is
 # complete (MANIFEST.json is the tar's last member), moves it to releases/ID, switches `current`

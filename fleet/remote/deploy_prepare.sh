@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # fleet deploy, step 1 of 2 (sent as `sh -c <this> fleet-deploy-prepare WORKDIR TMUX SESSION`).
 # Creates the workdir skeleton and reports the state deploy needs: the existing releases, where
 # `current` points, and the live run (never pruned). It changes nothing else: what killed deploys

@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # fleet run launch (sent as `sh -c <this> fleet-run-launch WORKDIR TMUX SESSION RUN_ID RELEASE_ID RUN_JSON ARGV...`).
 # stdin carries the run's environment file (`export K='v'` lines): secrets never travel in argv.
 # Exit 75: a run is live in SESSION (the caller re-checks and names it); 73: RUN_ID exists;

@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # fleet run state in one round trip (sent as `sh -c <this> fleet-run-state WORKDIR TMUX SESSION LINES`).
 # Prints sections `@@name` followed by their text; the log tail comes last and runs to the end.
 workdir=$1

@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # fleet run stop (sent as `sh -c <this> fleet-run-stop WORKDIR TMUX SESSION SIGNAL TIMEOUT_S`).
 # Signals only the process group that run.sh recorded, and only while that group's leader is the
 # live pane process of SESSION (so a stale pgid can never hit another process). Prints one word:
