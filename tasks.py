@@ -4,15 +4,17 @@ fleet/ (see docs/DESIGN.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from invoke import Collection, Context
 from invoke.exceptions import Exit
 
-from fleet.cli import fleet_task, on_targets, repo_root, single_target
+from fleet.cli import fleet_task, map_targets, on_targets, repo_root, single_target
 from fleet.errors import ConfigError
 
 if TYPE_CHECKING:
+    from fleet.status.model import RunStatus
     from fleet.target import Target
 
 # The fleet modules a task needs are imported inside it: `fab status` then loads only what
@@ -58,9 +60,20 @@ def train(c: Context, no_warm: bool = False) -> None:
 )
 def status(c: Context, watch: str | None = None, json: bool = False, log: str = "") -> None:
     """The run's state, progress, speed, GPUs and diagnosis."""
-    from fleet import status_cli as fleet_status
+    from fleet.status import fetch, render
 
-    code = fleet_status.status_task(c, watch=watch, as_json=json, log=log)
+    interval = render.watch_interval(watch)
+    if log:
+        code = render.show([("local-log", fetch.status_from_path(Path(log).expanduser()))], as_json=json)
+    elif interval is None:
+        code = render.show(map_targets(c, fetch.fetch_status), as_json=json)  # exit: the worst state's
+    else:  # one target, refreshed until its run ends
+
+        def follow(target: Target) -> RunStatus:
+            return render.watch(lambda: fetch.fetch_status(target), interval, as_json=json)
+
+        ((_name, st),) = map_targets(c, follow, allow_many=False, why_one="status --watch follows one target")
+        code = st.exit_code
     if code:
         raise Exit(code=code)
 
@@ -70,7 +83,11 @@ def plot(c: Context, out: str = "", log: str = "") -> None:
     """Plot loss, tau and tokens/s of the latest run as a PNG."""
     from fleet import plot as fleet_plot
 
-    print(f"wrote {fleet_plot.plot_task(c, out=out, log=log)}")
+    if log:
+        print(f"wrote {fleet_plot.plot_log(Path(log).expanduser(), out)}")
+        return
+    with single_target(c) as target:
+        print(f"wrote {fleet_plot.plot_target(target, out)}")
 
 
 @fleet_task(help={"n": "how many log lines (default 40)", "follow": "keep printing new lines until Ctrl-C"})

@@ -7,7 +7,7 @@ Needs tests/hosts/setup to have run. Starts a long selftest run in a fresh workd
 container (so status has a live run with events and a log to read), measures, then stops
 the run and removes the workdir. Reports median / min / max wall seconds of:
 - `fab status --json` as a subprocess (what a user or a script sees, Python start-up included);
-- `fleet.status_cli.fetch_status` in process on one open connection (the one round trip + parse);
+- `fleet.status.fetch.fetch_status` in process on one open connection (the one round trip + parse);
 - `FLEET_TARGET=all fab status --json` with N targets (polled in parallel).
 """
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from testkit import _host_problem, ct200_target, render_inventory, run_fab  # noqa: E402
 
 from fleet.inventory import load_inventory, select_targets  # noqa: E402
-from fleet.status_cli import fetch_status  # noqa: E402
+from fleet.status.fetch import fetch_status  # noqa: E402
 from fleet.target import open_target  # noqa: E402
 
 

@@ -1,11 +1,12 @@
 """The task boundary: ``fleet_task`` (errors -> one line + exit code) and target selection.
 
 Every Fabric task in ``tasks.py`` is a ``@fleet_task``. Inside, a task picks its targets with
-:func:`single_target` (tasks that change a target) or :func:`on_targets` (read-only tasks, which
-also accept ``FLEET_TARGET=all`` and then run on every target in parallel, one ``Target`` per
-thread, output grouped by target). A ``FleetError`` raised anywhere below is caught here, once,
-and printed as ``fleet: <target>: <message>`` on stderr; the exit code is the error's. Anything
-else is a bug and keeps its traceback.
+:func:`single_target` (tasks that change a target) or :func:`on_targets` / :func:`map_targets`
+(read-only tasks, which also accept ``FLEET_TARGET=all`` and then run on every target in
+parallel, one ``Target`` per thread: printed grouped by target, or returned in inventory order).
+A ``FleetError`` raised anywhere below is caught here, once, and printed as
+``fleet: <target>: <message>`` on stderr; the exit code is the error's. Anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fleet.inventory import Inventory, TargetSpec, load_inventory, select_target
 from fleet.target import Target, open_target
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 MAX_PARALLEL = 16
 
 
@@ -97,6 +99,23 @@ def single_target(ctx: Context | None = None) -> Iterator[Target]:
         yield target
 
 
+def map_targets(
+    ctx: Context | None,
+    work: Callable[[Target], T],
+    *,
+    read_only: bool = True,
+    allow_many: bool = True,
+    why_one: str = "this task needs one target",
+) -> list[tuple[str, T | FleetError]]:
+    """``work`` on each selected target: [(target name, what it returned or the FleetError it raised)].
+
+    One target: in this thread, and its ``FleetError`` propagates (the task boundary prints it).
+    Several (``FLEET_TARGET=all``, only when ``allow_many``): one thread and one ``Target`` per
+    target, at most ``MAX_PARALLEL`` at once; results in inventory order, a failure in its place.
+    """
+    return [(spec.name, outcome) for spec, outcome in _fan_out(ctx, work, read_only, allow_many, why_one)]
+
+
 def on_targets(
     ctx: Context | None,
     work: Callable[[Target], str | None],
@@ -104,45 +123,50 @@ def on_targets(
     read_only: bool = True,
     allow_many: bool = True,
 ) -> None:
-    """Run ``work`` on each selected target and print what it returns.
+    """Run ``work`` on each selected target (:func:`map_targets`) and print what it returns.
 
-    One target: in this thread, output printed as is. Several (``FLEET_TARGET=all``): one thread
-    and one ``Target`` per target; each target's output is printed as a block under ``== name ==``,
-    in inventory order, and every failure as its own ``fleet: <target>: ...`` line. The task then
-    fails with the exit code of the first failed target.
+    One target: output printed as is. Several: each target's output is printed as a block under
+    ``== name ==``, in inventory order, and every failure as its own ``fleet: <target>: ...`` line.
+    The task then fails with the exit code of the first failed target.
     """
-    specs = targets_for(ctx, read_only=read_only)
-    if len(specs) == 1:
-        with _opened(specs[0]) as target:
-            text = work(target)
-        if text:
+    outcomes = _fan_out(ctx, work, read_only, allow_many, "this task needs one target")
+    if len(outcomes) == 1:
+        text = outcomes[0][1]
+        if text and not isinstance(text, FleetError):
             print(text.rstrip("\n"), flush=True)
         return
-    if not allow_many:
-        raise ConfigError("this task needs one target; set FLEET_TARGET to one name, not all")
-
-    def one(spec: TargetSpec) -> str | None:
-        with _opened(spec) as target:
-            return work(target)
-
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(specs))) as pool:
-        futures = [pool.submit(one, spec) for spec in specs]
-        outcomes: list[tuple[TargetSpec, str | None, FleetError | None]] = []
-        for spec, future in zip(specs, futures, strict=True):
-            try:
-                outcomes.append((spec, future.result(), None))
-            except FleetError as err:
-                outcomes.append((spec, None, err))
-    for spec, text, _err in outcomes:
+    for spec, text in outcomes:
         print(f"== {spec.name} ({spec.display}) ==")
-        if text:
+        if text and not isinstance(text, FleetError):
             print(text.rstrip("\n"))
     sys.stdout.flush()
-    failed = [(spec, err) for spec, _text, err in outcomes if err is not None]
+    failed = [(spec, err) for spec, err in outcomes if isinstance(err, FleetError)]
     for spec, err in failed:
         print(error_line(err, spec.name), file=sys.stderr, flush=True)
     if failed:
         raise Exit(code=failed[0][1].exit_code)
+
+
+def _fan_out(
+    ctx: Context | None, work: Callable[[Target], T], read_only: bool, allow_many: bool, why_one: str
+) -> list[tuple[TargetSpec, T | FleetError]]:
+    """The one fan-out of fleet (see :func:`map_targets`)."""
+    specs = targets_for(ctx, read_only=read_only)
+    if len(specs) == 1:
+        with _opened(specs[0]) as target:
+            return [(specs[0], work(target))]
+    if not allow_many:
+        raise ConfigError(f"{why_one}; set FLEET_TARGET to one name, not all")
+
+    def one(spec: TargetSpec) -> T | FleetError:
+        try:
+            with _opened(spec) as target:
+                return work(target)
+        except FleetError as err:
+            return err
+
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(specs))) as pool:
+        return list(zip(specs, pool.map(one, specs), strict=True))
 
 
 @contextmanager

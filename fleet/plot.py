@@ -2,9 +2,9 @@
 
 The curves come from a run's ``step`` events (one line per rank that logs steps) and its
 ``eval`` events (real acceptance, drawn as points on the tau panel). ``series_from_events``
-is pure; ``plot_png`` writes the file; ``plot_task`` is the task body: events fetched from
-the target in one command (the last ``PLOT_EVENT_BYTES`` of events.jsonl, no log), or read
-from a local run dir / events file with ``--log``.
+is pure; ``plot_png`` writes the file; ``plot_target`` plots a target's latest run (the last
+``PLOT_EVENT_BYTES`` of events.jsonl fetched in one command, no log), ``plot_log`` a local run
+dir or events file (``--log``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.errors import ConfigError, RunError
-from fleet.status import parse_events
+from fleet.status.fetch import fetch, read_local
+from training.contract import parse_events
+
+if TYPE_CHECKING:
+    from fleet.target import Target
 
 PLOT_EVENT_BYTES = 16 * 1024 * 1024
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 1000, 100
@@ -114,31 +118,23 @@ def plot_png(data: PlotData, out: Path, title: str) -> Path:
     return out
 
 
-def _local_events(path: Path) -> tuple[str, bool]:
-    from fleet.status_cli import read_local
-
+def plot_log(path: Path, out: str = "") -> Path:
+    """``fab plot --log PATH``: the PNG of a local run dir or events file; returns its path."""
     events_text, _log, truncated, _facts = read_local(path, PLOT_EVENT_BYTES)
-    return events_text, truncated
+    if not events_text:
+        raise ConfigError(f"plot --log {path}: no events.jsonl there; plot needs the events of a run")
+    return _plot(events_text, truncated, "local", path.name if path.is_dir() else path.parent.name, out)
 
 
-def plot_task(ctx: Any, *, out: str = "", log: str = "") -> Path:
-    """``fab plot``: the PNG of the target's latest run (or of ``--log PATH``); returns its path."""
-    from fleet.cli import single_target
-    from fleet.status_cli import fetch
+def plot_target(target: Target, out: str = "") -> Path:
+    """``fab plot``: the PNG of the target's latest run; returns its path."""
+    got = fetch(target, events_bytes=PLOT_EVENT_BYTES, log_bytes=0, gpus=False)
+    if not got.facts.run_id:
+        raise RunError(f"{target.name}: no run to plot: start one with `fab train`")
+    return _plot(got.events_text, got.events_truncated, target.name, got.facts.run_id, out)
 
-    if log:
-        path = Path(log).expanduser()
-        events_text, truncated = _local_events(path)
-        if not events_text:
-            raise ConfigError(f"plot --log {path}: no events.jsonl there; plot needs the events of a run")
-        name, run_id = "local", path.name if path.is_dir() else path.parent.name
-    else:
-        with single_target(ctx) as target:
-            got = fetch(target, events_bytes=PLOT_EVENT_BYTES, log_bytes=0, gpus=False)
-            name, run_id = target.name, got.facts.run_id
-        if not run_id:
-            raise RunError(f"{name}: no run to plot: start one with `fab train`")
-        events_text, truncated = got.events_text, got.events_truncated
+
+def _plot(events_text: str, truncated: bool, name: str, run_id: str, out: str) -> Path:
     events = parse_events(events_text, truncated=truncated).events
     dest = Path(out) if out else Path(f"{name}-{run_id}.png")
     return plot_png(series_from_events(events), dest, f"{name}  {run_id}")

@@ -1,13 +1,13 @@
 """Known failure signatures of a training run -> a cause and a fix (pure: text in, data out).
 
 ``diagnose(log_text, events)`` scans the raw log tail (and the ``error`` events of
-``events.jsonl``) for the failures this project exists for (docs/field-notes): the
-FX-tracing RuntimeError from compiling in threads, Dynamo's recompile limit (silent
-dense fallback), flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and
-dead ranks, an NVML driver/library mismatch, import errors (environment drift), and any
-other Python traceback. Each signature is reported once, at its first occurrence, in the
-order found in the log (the first failure is usually the root cause). The generic
-"Python traceback" diagnosis is only given when no specific signature matched.
+``events.jsonl``) for the failures seen on multi-GPU DFlash runs: the FX-tracing
+RuntimeError from compiling in threads, Dynamo's recompile limit (silent dense fallback),
+flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and dead ranks, an NVML
+driver/library mismatch, import errors (environment drift), and any other Python traceback.
+Each signature is reported once, at its first occurrence, in the order found in the log (the
+first failure is usually the root cause). The generic "Python traceback" diagnosis is only
+given when no specific signature matched.
 
 The log may be a ``tail -c`` cut: partial first line, ``\\r`` progress bars, NUL
 bytes, and torchrun's ``[rankN]:`` / ``[defaultN]:`` prefixes from interleaved ranks
@@ -20,6 +20,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from training.contract import RANK_PREFIX as _RANK_PREFIX
+from training.contract import log_lines as clean_lines  # NULs, \r and rank prefixes handled
 
 
 @dataclass(frozen=True)
@@ -40,18 +43,7 @@ class Diagnosis:
         }
 
 
-_RANK_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)+")
 _MAX_EVIDENCE = 240
-
-
-def clean_lines(text: str) -> list[str]:
-    """Log text -> lines: NULs dropped, ``\\r`` treated as a line break, rank prefixes removed."""
-    text = text.replace("\x00", "")
-    lines = []
-    for raw in re.split(r"\r\n|\r|\n", text):
-        line = _RANK_PREFIX.sub("", raw).rstrip()
-        lines.append(line)
-    return lines
 
 
 def _short(line: str) -> str:

@@ -1,12 +1,9 @@
 """The status model of a run: events + log tail + liveness (+ GPUs) -> one frozen RunStatus (pure).
 
-Inputs, all text or plain facts: the tail of ``events.jsonl`` (training/EVENTS.md),
-the tail of ``train.log``, the liveness facts of the tmux run (alive, exit status, the
-target's clock, file mtimes), and optionally the GPU table. ``build_status`` is pure;
-``fetch_status`` gets all of it from a target in ONE command (``FETCH_SCRIPT``, run as
-``sh -c SCRIPT sh ARGS...``: paths are positional arguments, never interpolated), with
-only the last ``TAIL_BYTES`` of each file read (``tail -c``): a log of many GB is never
-downloaded.
+Inputs, all text or plain facts: the tail of ``events.jsonl`` (training/EVENTS.md, read with
+``training.contract``), the tail of ``train.log``, the liveness facts of the tmux run (alive,
+exit status, the target's clock, file mtimes), and optionally the GPU table. ``build_status``
+is pure; ``fleet.status.fetch`` gathers its inputs, ``fleet.status.render`` draws the result.
 
 States and transitions. The phase of the run comes from its ``phase`` events (a
 ``step`` event implies ``train``); across ranks an ``error`` on any rank wins, and
@@ -37,14 +34,14 @@ stalled -> 11; failed -> 12.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fleet.diagnose import Diagnosis, clean_lines, diagnose, find_traceback
+from fleet.status.diagnose import Diagnosis, clean_lines, diagnose, find_traceback
+from training.contract import BucketTable, find_bucket_table, parse_events
 
 STATE_EXIT_CODES: dict[str, int] = {
     "starting": 0,
@@ -72,24 +69,6 @@ PHASE_STATES: dict[str, str] = {
     "error": "failed",
 }
 FINAL_PHASES = ("done", "stopped", "error")
-
-
-@dataclass(frozen=True)
-class BucketRow:
-    index: int
-    lo: int
-    hi: int
-    batches: int
-    percent: float
-
-
-@dataclass(frozen=True)
-class BucketTable:
-    batches_per_epoch: int
-    min: int
-    max: int
-    avg: float
-    buckets: tuple[BucketRow, ...]
 
 
 @dataclass(frozen=True)
@@ -201,18 +180,6 @@ class RunStatus:
         data["exit_code"] = self.exit_code
         return _json_safe(data)
 
-    def text(self, width: int = 100) -> str:
-        """The picture as plain text (rendered by rich)."""
-        from fleet.status_cli import render_text
-
-        return render_text(self, width=width)
-
-    def renderable(self) -> Any:
-        """A rich renderable of the picture (for ``rich.live.Live``)."""
-        from fleet.status_cli import render
-
-        return render(self)
-
 
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -224,75 +191,7 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-# ---------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True)
-class ParsedEvents:
-    events: tuple[Mapping[str, Any], ...]
-    skipped: int
-
-
-def parse_events(text: str, *, truncated: bool = False) -> ParsedEvents:
-    """events.jsonl text -> events. Torn, foreign-version and non-JSON lines are skipped and counted.
-
-    ``truncated``: the text is a tail cut at a byte offset, so its first line is partial.
-    """
-    text = text.replace("\x00", "")
-    lines = text.split("\n")
-    if truncated and lines:
-        lines = lines[1:]
-    events: list[Mapping[str, Any]] = []
-    skipped = 0
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            skipped += 1
-            continue
-        if (
-            not isinstance(obj, dict)
-            or obj.get("v") != 1
-            or not isinstance(obj.get("event"), str)
-            or not isinstance(obj.get("ts"), int | float)
-        ):
-            skipped += 1
-            continue
-        events.append(obj)
-    return ParsedEvents(tuple(events), skipped)
-
-
-_BATCHES = re.compile(r"Batches per epoch:\s*(\d+)\s*\(min=(\d+)\s+max=(\d+)\s+avg=([\d.]+)\)")
-_BUCKET = re.compile(
-    r"^\s*Bucket\s+(\d+)\s*\[\s*(\d+)\s*,\s*(\d+)\s*\):\s*(\d+)\s+batches\s*\(\s*([\d.]+)%\)"
-)
-
-
-def parse_bucket_table(log_text: str) -> BucketTable | None:
-    """The last ``Batches per epoch`` table printed in a human log (the trainer's start-up format)."""
-    lines = clean_lines(log_text)
-    table: BucketTable | None = None
-    for i, line in enumerate(lines):
-        head = _BATCHES.search(line)
-        if not head:
-            continue
-        rows = []
-        for row_line in lines[i + 1 :]:
-            m = _BUCKET.match(row_line)
-            if not m:
-                break
-            rows.append(
-                BucketRow(
-                    int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), float(m.group(5))
-                )
-            )
-        table = BucketTable(
-            int(head.group(1)), int(head.group(2)), int(head.group(3)), float(head.group(4)), tuple(rows)
-        )
-    return table
+# ---------------------------------------------------------------- the human log
 
 
 _LOADING = re.compile(r"Loading (\d+) (target|drafter) models?")
@@ -310,19 +209,6 @@ def parse_load_from_log(log_text: str) -> LoadProgress | None:
             total = int(m.group(1))
             progress = LoadProgress(m.group(2), min(done, total), total)
     return progress
-
-
-def _buckets_from_event(ev: Mapping[str, Any]) -> BucketTable | None:
-    try:
-        rows = tuple(
-            BucketRow(int(b["index"]), int(b["lo"]), int(b["hi"]), int(b["batches"]), float(b["percent"]))
-            for b in ev.get("buckets", [])
-        )
-        return BucketTable(
-            int(ev["batches_per_epoch"]), int(ev["min"]), int(ev["max"]), float(ev["avg"]), rows
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _num(value: Any) -> float | None:
@@ -432,7 +318,7 @@ def build_status(
         rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
         role = ev["role"] if isinstance(ev.get("role"), str) else "single"
         if kind == "buckets":
-            buckets = _buckets_from_event(ev) or buckets
+            buckets = BucketTable.from_event(ev) or buckets
         elif kind == "load_progress" and _int(ev.get("done")) is not None and _int(ev.get("total")):
             load = LoadProgress(str(ev.get("what", "")), ev["done"], ev["total"], _num(ev.get("seconds")))
         elif kind == "compile_cache":
@@ -462,7 +348,7 @@ def build_status(
             error = ErrorInfo(str(ev.get("type", "")), str(ev.get("message", "")))
 
     if buckets is None:
-        buckets = parse_bucket_table(log_text)
+        buckets = find_bucket_table(log_text)
     if load is None:
         load = parse_load_from_log(log_text)
     if error is None:

@@ -87,7 +87,7 @@ def released(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def status_json(fleet: RemoteFleet, expect_code: int | None = None) -> dict[str, Any]:
-    """`fab status --json` of the target (exit code = the state's, see fleet/status.py)."""
+    """`fab status --json` of the target (exit code = the state's, see fleet/status/model.py)."""
     result = fleet.fab("status", "--json")
     assert "Traceback" not in result.stderr, result.stderr
     if expect_code is not None:
@@ -168,7 +168,7 @@ def test_deploy_train_status_logs_stop(remote_fleet: RemoteFleet) -> None:
     assert stopped.returncode == 0, stopped.stderr
     assert not run_pids(hosts, run_dir)
 
-    final = status_json(fleet, 10)  # fab status exits 10 for a stopped run (fleet/status.py)
+    final = status_json(fleet, 10)  # fab status exits 10 for a stopped run (fleet/status/model.py)
     assert (final["run_id"], final["state"], final["alive"]) == (run_id, "stopped", False), final
     assert final["process_exit_code"] == 0, final
     events = ct_read(hosts, f"{run_dir}/events.jsonl") or ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.diagnose import clean_lines, diagnose, last_traceback
+from fleet.status.diagnose import clean_lines, diagnose, last_traceback
 
 LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 

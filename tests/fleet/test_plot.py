@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fleet.errors import ConfigError, RunError
-from fleet.plot import HEIGHT_PX, WIDTH_PX, plot_png, plot_task, series_from_events
-from fleet.status import parse_events
+from fleet.plot import HEIGHT_PX, WIDTH_PX, plot_log, plot_png, series_from_events
+from training.contract import parse_events
 
 T0 = 1_764_460_000.0
 
@@ -59,7 +59,7 @@ def test_png_written_non_empty_right_size(tmp_path: Path) -> None:
 
 def test_plot_task_from_a_local_run_dir(tmp_path: Path) -> None:
     run = events_file(tmp_path).parent
-    out = plot_task(None, out=str(tmp_path / "p.png"), log=str(run))
+    out = plot_log(run, out=str(tmp_path / "p.png"))
     assert png_size(out) == (WIDTH_PX, HEIGHT_PX)
 
 
@@ -69,4 +69,4 @@ def test_no_steps_yet_is_one_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists()
     (tmp_path / "train.log").write_text("only a log\n")
     with pytest.raises(ConfigError, match=r"no events\.jsonl"):
-        plot_task(None, log=str(tmp_path / "train.log"))
+        plot_log(tmp_path / "train.log")

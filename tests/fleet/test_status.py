@@ -4,33 +4,25 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from invoke import Context
+from invoke.exceptions import Exit
 
+from fleet import remote
 from fleet.errors import ConfigError, RunError
 from fleet.gpus import parse_query_gpu
-from fleet.status import STATE_EXIT_CODES, RunFacts, build_status, parse_bucket_table, parse_events
-from fleet.status_cli import (
-    FETCH_SCRIPT,
-    fetch_argv,
-    gpu_rows_from_csv,
-    parse_fetch,
-    render_text,
-    status_from_path,
-    status_task,
-    watch_interval,
-    watch_live,
-)
-from training.events import validate_event
+from fleet.status.fetch import fetch_argv, gpu_rows_from_csv, parse_fetch, status_from_path
+from fleet.status.model import STATE_EXIT_CODES, RunFacts, build_status
+from fleet.status.render import render_text, watch_interval, watch_live
+from training.contract import parse_bucket_table, parse_events, validate_event
 
 REPO = Path(__file__).resolve().parents[2]
 LOGS = REPO / "tests" / "fixtures" / "logs"
-FIELD_NOTES = Path("/work/shared/context/field-notes.md")
 T0 = 1_764_460_000.0
 
 # the user's start-up log, field-notes.md: exactly these numbers
@@ -89,13 +81,6 @@ def _assert_field_notes_table(table: Any) -> None:
 
 def test_bucket_table_from_the_startup_log_fixture() -> None:
     _assert_field_notes_table(parse_bucket_table((LOGS / "startup_fieldnotes.log").read_text()))
-
-
-@pytest.mark.skipif(not FIELD_NOTES.exists(), reason="field notes not on this machine")
-def test_bucket_table_from_the_field_notes_themselves() -> None:
-    block = re.search(r"```\n(Batches per epoch.*?)```", FIELD_NOTES.read_text(), re.S)
-    assert block is not None
-    _assert_field_notes_table(parse_bucket_table(block.group(1)))
 
 
 def test_bucket_table_with_rank_prefixes_and_crlf() -> None:
@@ -385,7 +370,7 @@ def test_fetch_script_takes_paths_as_arguments_only(tmp_path: Path) -> None:
     (workdir / "runs" / "latest").symlink_to("r1")
     (run / "events.jsonl").write_text(lines(*START))
     argv = fetch_argv(str(workdir), "tmux", "", "@@B")
-    assert argv[:3] == ["sh", "-c", FETCH_SCRIPT] and str(workdir) in argv[4:]
+    assert argv[:3] == ["sh", "-c", remote.script("status_fetch.sh")] and str(workdir) in argv[4:]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert parse_fetch(out, "@@B").facts.run_id == "r1"
     assert not list(tmp_path.glob("PWNED*"))
@@ -441,7 +426,11 @@ def test_bad_watch_interval_is_a_config_error(value: str) -> None:
 
 
 def test_task_with_log_prints_json_and_returns_the_state_code(capsys: pytest.CaptureFixture[str]) -> None:
-    code = status_task(None, as_json=True, log=str(LOGS / "nccl_timeout.log"))
+    from tasks import status as status_task
+
+    with pytest.raises(Exit) as exited:
+        status_task(Context(), json=True, log=str(LOGS / "nccl_timeout.log"))
+    code = exited.value.code
     data = json.loads(capsys.readouterr().out)
     assert code == data["exit_code"] == 12 and data["state"] == "failed"
     assert [d["signature"] for d in data["diagnosis"]] == ["nccl-timeout", "rank-died"]
@@ -485,7 +474,7 @@ def test_fetch_status_on_a_local_target_with_the_nvidia_smi_shim(
 ) -> None:
     """The real fetch through a LocalTarget: GPU rows come from the shim, roles from the topology."""
     from fleet.inventory import Commands, TargetSpec, Topology
-    from fleet.status_cli import fetch_status
+    from fleet.status.fetch import fetch_status
     from fleet.target import open_target
 
     fixture = REPO / "tests" / "fixtures" / "nvidia-smi" / "busy"
@@ -520,7 +509,7 @@ def test_all_targets_table_has_one_row_per_target() -> None:
 
     from rich.console import Console
 
-    from fleet.status_cli import summary_table
+    from fleet.status.render import summary_table
 
     ok = status([*START, ev(1, "phase", phase="train"), step(2, 4)])
     rows = [("a", ok), ("b", RunError("b: no run under /w/runs: start one with `fab train`"))]
