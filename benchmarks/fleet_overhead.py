@@ -193,7 +193,7 @@ def main() -> int:
             return 2
         env["FLEET_CONFIG"] = str(test_host_inventory(Path(tmp.name), label))
         env.pop("FLEET_TARGET", None)
-    inventory = load_inventory(Path(env["FLEET_CONFIG"]) if env.get("FLEET_CONFIG") else REPO / "fleet.toml")
+    inventory = load_inventory(Path(env["FLEET_CONFIG"]) if env.get("FLEET_CONFIG") else None)
     (spec,) = select_targets(inventory, env.get("FLEET_TARGET"), allow_all=False)
     print(f"target {spec.name} ({spec.display}), workdir {spec.workdir}")
 

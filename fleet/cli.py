@@ -12,7 +12,6 @@ and keeps its traceback.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from invoke import Context, task
 from invoke.exceptions import Exit
 
 from fleet.errors import ConfigError, FleetError
-from fleet.inventory import Inventory, TargetSpec, load_inventory, select_targets
+from fleet.inventory import REPO_ROOT, Inventory, TargetSpec, load_inventory, select_targets
 from fleet.target import Target, open_target
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,13 +33,12 @@ MAX_PARALLEL = 16
 
 def repo_root() -> Path:
     """The directory of ``tasks.py``: what ``fab deploy`` ships code from."""
-    return Path(__file__).resolve().parent.parent
+    return REPO_ROOT
 
 
 def inventory() -> Inventory:
     """The inventory: ``$FLEET_CONFIG``, else ``fleet.toml`` next to ``tasks.py``."""
-    env = os.environ.get("FLEET_CONFIG")
-    return load_inventory(Path(env) if env else repo_root() / "fleet.toml")
+    return load_inventory()
 
 
 def targets_for(ctx: Context | None, read_only: bool) -> list[TargetSpec]:

@@ -28,6 +28,12 @@ ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
+# Every default of the inventory is written once, on its dataclass below (or here); the parser
+# reads it from there (``TargetSpec.keep_releases``).
+STALL_WINDOW_S = 600.0  # no new event or log output for this long: a live run is "stalled"
+KNOWN_HOSTS = "~/.ssh/known_hosts"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # this checkout: tasks.py, fleet.toml, training/
+
 TOP_KEYS = ("default_target", "targets")
 TARGET_KEYS = (
     "host",
@@ -62,7 +68,7 @@ class SshSpec:
     port: int = 22
     identity_file: str | None = None
     host_key_policy: Literal["strict", "accept-new"] = "strict"
-    known_hosts: str = field(default_factory=lambda: os.path.expanduser("~/.ssh/known_hosts"))
+    known_hosts: str = field(default_factory=lambda: os.path.expanduser(KNOWN_HOSTS))
 
     @property
     def display(self) -> str:
@@ -132,7 +138,7 @@ class TargetSpec:
     run: RunSpec = field(default_factory=RunSpec)
     gpu_gate: GateSpec = field(default_factory=GateSpec)
     keep_releases: int = 5
-    stall_window_s: float = 600.0
+    stall_window_s: float = STALL_WINDOW_S
 
     @property
     def is_local(self) -> bool:
@@ -169,13 +175,13 @@ class Inventory:
 
 
 def default_inventory_path() -> Path:
-    """``$FLEET_CONFIG`` if set, else ``./fleet.toml``."""
+    """``$FLEET_CONFIG`` if set, else the ``fleet.toml`` of this checkout (next to ``tasks.py``)."""
     env = os.environ.get("FLEET_CONFIG")
-    return Path(env).expanduser() if env else Path.cwd() / "fleet.toml"
+    return Path(env).expanduser() if env else REPO_ROOT / "fleet.toml"
 
 
 def load_inventory(path: Path | None = None) -> Inventory:
-    """Read and validate the inventory at ``path`` (default: ``FLEET_CONFIG`` or ``./fleet.toml``)."""
+    """Read and validate the inventory at ``path`` (default: :func:`default_inventory_path`)."""
     path = (path if path is not None else default_inventory_path()).expanduser().absolute()
     try:
         raw = path.read_bytes()
@@ -262,9 +268,9 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
                 raise ConfigError(f"{path}: {key}.{only} only applies to SSH hosts; remove it or set host")
     container = _parse_container(key, raw.get("container"), path)
     workdir = _parse_workdir(key, raw.get("workdir"), ssh is None, path)
-    gpus = _int(raw, "gpus", key, path, default=0, minimum=0)
+    gpus = _int(raw, "gpus", key, path, default=TargetSpec.gpus, minimum=0)
     topology = _parse_topology(key, raw.get("topology"), gpus, path)
-    env = _str(raw, "env", key, path, default="")
+    env = _str(raw, "env", key, path, default=TargetSpec.env)
     if env and not NAME_RE.match(env):
         raise ConfigError(
             f"{path}: {key}.env = {env!r}: env names use letters, digits, '_', '-' (envs/<name>)"
@@ -282,8 +288,8 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         uv_cache=_parse_uv_cache(key, raw.get("uv_cache"), ssh is None, path),
         run=_parse_run(key, raw.get("run"), path),
         gpu_gate=_parse_gate(key, raw.get("gpu_gate"), path),
-        keep_releases=_int(raw, "keep_releases", key, path, default=5, minimum=1),
-        stall_window_s=_number(raw, "stall_window_s", key, path, default=600.0),
+        keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
+        stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
     )
 
 
@@ -300,10 +306,10 @@ def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSp
             f'{path}: {key}.host = {host!r} is not "local" or "user@host[:port]"; e.g. "root@pve.example:22"'
         )
     assert m is not None
-    port = int(m.group(3)) if m.group(3) else 22
+    port = int(m.group(3)) if m.group(3) else SshSpec.port
     if not 1 <= port <= 65535:
         raise ConfigError(f"{path}: {key}.host: port {port} is out of range; use 1-65535")
-    policy = _str(raw, "host_key_policy", key, path, default="strict")
+    policy = _str(raw, "host_key_policy", key, path, default=SshSpec.host_key_policy)
     if policy not in HOST_KEY_POLICIES:
         raise ConfigError(
             f'{path}: {key}.host_key_policy = {policy!r}; use "strict" (known_hosts) or "accept-new"'
@@ -312,7 +318,7 @@ def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSp
     if identity is not None:
         _check_type(identity, str, f"{key}.identity_file", "a path string", path)
         identity = _local_path(identity, path)
-    known_hosts = _local_path(_str(raw, "known_hosts", key, path, default="~/.ssh/known_hosts"), path)
+    known_hosts = _local_path(_str(raw, "known_hosts", key, path, default=KNOWN_HOSTS), path)
     return SshSpec(
         user=m.group(1) or getpass.getuser(),
         hostname=hostname.strip("[]"),
@@ -425,10 +431,10 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
     rkey = f"{key}.run"
     _check_type(raw, dict, rkey, "a table", path)
     _check_keys(raw, RUN_KEYS, rkey, path)
-    module = _str(raw, "module", rkey, path, default="training")
+    module = _str(raw, "module", rkey, path, default=RunSpec.module)
     if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", module):
         raise ConfigError(f'{path}: {rkey}.module = {module!r} is not a Python module name; e.g. "training"')
-    config = _str(raw, "config", rkey, path, default="tiny-cpu")
+    config = _str(raw, "config", rkey, path, default=RunSpec.config)
     if not config.strip() or any(c in config for c in "\0\n\r"):
         raise ConfigError(f'{path}: {rkey}.config = {config!r}: give a config name or path; e.g. "tiny-cpu"')
     overrides = raw.get("overrides", [])
@@ -457,9 +463,9 @@ def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:
     _check_type(raw, dict, gkey, "a table", path)
     _check_keys(raw, GATE_KEYS, gkey, path)
     return GateSpec(
-        max_memory_mib=_int(raw, "max_memory_mib", gkey, path, default=64, minimum=0),
-        expected_name=_str(raw, "expected_name", gkey, path, default=""),
-        timeout_s=_number(raw, "timeout_s", gkey, path, default=20.0),
+        max_memory_mib=_int(raw, "max_memory_mib", gkey, path, default=GateSpec.max_memory_mib, minimum=0),
+        expected_name=_str(raw, "expected_name", gkey, path, default=GateSpec.expected_name),
+        timeout_s=_number(raw, "timeout_s", gkey, path, default=GateSpec.timeout_s),
     )
 
 

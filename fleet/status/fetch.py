@@ -23,6 +23,7 @@ from fleet.errors import ConfigError, GpuGateError, RunError
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
 from fleet.status.model import GpuRow, RunFacts, RunStatus, build_status
+from training.contract import EVENTS_FILE
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -175,7 +176,7 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
         )
     events_path = log_path = None
     if path.is_dir():
-        events_path, log_path = path / "events.jsonl", path / "train.log"
+        events_path, log_path = path / EVENTS_FILE, path / "train.log"
     elif path.suffix == ".jsonl":
         events_path = path
     else:
@@ -190,7 +191,7 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
     if path.is_dir():
         run_id = path.name
     else:
-        run_id = path.parent.name if path.name in ("events.jsonl", "train.log") else path.name
+        run_id = path.parent.name if path.name in (EVENTS_FILE, "train.log") else path.name
     facts = RunFacts(run_id=run_id, exit_code=exit_code, alive=False if exit_code is not None else None)
     return events_text, log_text, truncated, facts
 

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fleet.inventory import STALL_WINDOW_S
 from fleet.status.diagnose import Diagnosis, clean_lines, diagnose, find_traceback
 from training.contract import BucketTable, find_bucket_table, parse_events
 
@@ -292,7 +293,7 @@ def build_status(
     events_text: str,
     log_text: str,
     *,
-    stall_window_s: float = 600.0,
+    stall_window_s: float = STALL_WINDOW_S,
     events_truncated: bool = False,
     gpus: Sequence[GpuRow] = (),
 ) -> RunStatus:

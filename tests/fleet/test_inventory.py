@@ -153,6 +153,18 @@ def test_shipped_inventory_is_the_local_default() -> None:
     assert (local.run.module, local.run.config) == ("training", "tiny-cpu")
 
 
+def test_one_default_inventory_whatever_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fab` (fleet.cli) and load_inventory() read the same file: $FLEET_CONFIG, else the checkout's."""
+    from fleet import cli
+
+    monkeypatch.delenv("FLEET_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert load_inventory().path == cli.inventory().path == REPO / "fleet.toml"
+    other = write(tmp_path, LOCAL)
+    monkeypatch.setenv("FLEET_CONFIG", str(other))
+    assert load_inventory().path == cli.inventory().path == other
+
+
 def test_select_targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inv = load_inventory(write(tmp_path, LOCAL + PVE))
     monkeypatch.delenv("FLEET_TARGET", raising=False)
