@@ -3,7 +3,7 @@
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
 # (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(gpus train compile topology)

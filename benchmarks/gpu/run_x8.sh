@@ -9,7 +9,7 @@
 # Usage: bash benchmarks/gpu/run_x8.sh [step ...]   (default: gpus warm splits)
 # Device time is 10 min a call: run `gpus warm` in one call and `splits` in the next.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 CONFIG="${CONFIG:-qwen3-27b-random}"
