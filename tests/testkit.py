@@ -1,4 +1,5 @@
-"""Shared fixtures: the real test host (sshd + LXC + pct shim), the real `fab`, a private tmux.
+"""Shared test helpers, written once: the real test host (sshd + LXC + pct shim), the real `fab`,
+a private tmux, `wait_for`, the tiny Qwen3 target and the tiny compile config.
 
 The `hosts` tier needs `tests/hosts/setup` (root) to have run; its facts are read from
 `tests/hosts/.state/hosts.env`. Without them the tier is skipped with the reason, unless
@@ -14,13 +15,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS_ENV = Path(os.environ.get("FLEET_TEST_HOSTS_ENV") or REPO / "tests" / "hosts" / ".state" / "hosts.env")
@@ -308,3 +313,62 @@ def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
     yield tmux
     tmux.run("kill-server", check=False)
     shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ polling
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0, interval: float = 0.1) -> None:
+    """Poll ``check()`` until true; fail naming ``what`` after a generous ``timeout`` (not a speed test)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for: {what}")
+        time.sleep(interval)
+
+
+# ------------------------------------------------------------------ tiny models and configs
+
+
+def tiny_qwen3_config() -> Qwen3Config:
+    """A 2-layer, 64-wide Qwen3 (vocab 256) whose logits are not near-uniform: a real model, tiny."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        vocab_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.3,  # a logit scale like a trained LM (0.02 gives near-uniform logits)
+    )
+
+
+def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+    """The tiny Qwen3 with weights drawn from ``seed``, in eval mode."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(tiny_qwen3_config()).eval()
+
+
+# The tiny-cpu config cut to one compiled shape (one bucket of 64 tokens, one drafter layer, one
+# mask variant): the cheapest real compile. benchmarks/compile_bench.py keeps a copy (TINY_CPU): it
+# also runs on the GPU device, where pytest (which this module needs) may be absent.
+TINY_COMPILE_OVERRIDES = (
+    "--compile.enabled=on",
+    "--data.num_buckets=1",
+    "--data.max_length=64",
+    "--data.token_budget=4096",
+    "--data.max_batch_size=64",
+    "--data.corpus_files=2",
+    "--data.eval_prompts=0",
+    "--drafter.num_layers=1",
+    "--drafter.full_attention_layers=0",
+    "--drafter.num_anchors=8",
+    "--train.torch_threads=1",
+)

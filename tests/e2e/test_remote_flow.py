@@ -7,6 +7,7 @@ container are checked through the shim (`pct exec 200 -- ...`), i.e. from the co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,11 +25,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import testkit
 
 if TYPE_CHECKING:
     from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
+wait_for = functools.partial(testkit.wait_for, interval=0.3)  # each check is a command on the test host
 
 FINAL_STATES = ("finished", "stopped", "failed")
 LONG_RUN = ["--selftest.steps=100000", "--selftest.step_seconds=0.2"]
@@ -36,15 +39,6 @@ RELEASE_RE = re.compile(r"release (\d{8}T\d{6}Z-[0-9a-f]{7}(?:-dirty)?) is curre
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Poll ``check`` until true; fail naming ``what`` after a generous ``timeout`` (not a speed test)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for: {what}")
-        time.sleep(0.3)
 
 
 def ct_read(hosts: TestHost, path: str) -> str | None:
@@ -123,7 +117,7 @@ def test_status_before_any_run_says_never_started(remote_fleet: RemoteFleet) -> 
     never = remote_fleet.fab("status")
     if never.returncode == 0:
         assert "never" in never.stdout.lower(), never.stdout
-    else:  # the full status model (issue 6) answers with a RunError naming the next step
+    else:  # the full status model answers with a RunError naming the next step
         assert never.returncode == 5, never.stdout + never.stderr
         assert "fab train" in one_line_error(never)
 

@@ -12,14 +12,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import pytest
+from testkit import wait_for
 
 from fleet import deploy as d
 from fleet import runs
@@ -155,15 +155,6 @@ def test_parse_state_recorded_exited_run() -> None:
 
 
 # ------------------------------------------------------------------ real runs (local target, real tmux)
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Poll until ``check()``; fail naming ``what`` after a generous timeout (not a speed test)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for: {what}")
-        time.sleep(0.1)
 
 
 def events_of(run_dir: str) -> list[dict[str, object]]:

@@ -1,4 +1,4 @@
-"""Compile-cache warming (issue 7): key, manifest, counters, `fab warm` -> `fab train` hits, blob reuse.
+"""Compile-cache warming: key, manifest, counters, `fab warm` -> `fab train` hits, blob reuse.
 
 The slow tests run the real thing on the CPU inductor (gcc): `fab deploy` + `fab warm` on a local
 target, then `fab train` and a trainer on an empty cache dir that only got the Mega-Cache blob.
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from testkit import TINY_COMPILE_OVERRIDES
 
 from training import compile_cache as cc
 from training.__main__ import main as training_main
@@ -32,17 +33,7 @@ from training.warm import compile_shapes, config_hash, run_warm
 REPO = Path(__file__).resolve().parents[2]
 FAB = Path(sys.executable).parent / "fab"
 TINY = [
-    "--compile.enabled=on",
-    "--data.num_buckets=1",
-    "--data.max_length=64",
-    "--data.token_budget=4096",
-    "--data.max_batch_size=64",
-    "--data.corpus_files=2",
-    "--data.eval_prompts=0",
-    "--drafter.num_layers=1",
-    "--drafter.full_attention_layers=0",
-    "--drafter.num_anchors=8",
-    "--train.torch_threads=1",
+    *TINY_COMPILE_OVERRIDES,
     "--train.steps=2",
     "--eval.num_prompts=0",
 ]

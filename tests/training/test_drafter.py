@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from testkit import tiny_qwen3
+from transformers import Qwen3ForCausalLM
 
 from training.drafter import (
     DFlashDrafter,
@@ -19,19 +20,7 @@ torch.set_num_threads(2)
 
 
 def tiny_target(seed: int = 0) -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        vocab_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        initializer_range=0.3,  # a logit scale like a trained LM (0.02 gives near-uniform logits)
-    )
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg).eval()
+    return tiny_qwen3(seed)
 
 
 def tiny_drafter(target: Qwen3ForCausalLM, **overrides: object) -> DFlashDrafter:

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from testkit import tiny_qwen3
 from torch import Tensor
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from training.drafter import DFlashDrafter, DrafterConfig
 from training.eval import evaluate_acceptance
@@ -23,19 +24,7 @@ def markov_target() -> tuple[Qwen3ForCausalLM, Tensor]:
     Every attention and MLP output projection is zeroed, so each position's residual stream
     is its own token embedding: next = argmax(lm_head(norm(embed(x)))) =: next_of[x].
     """
-    cfg = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        vocab_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = tiny_qwen3(seed=0)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
