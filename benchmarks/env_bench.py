@@ -147,7 +147,7 @@ def main() -> int:
         command = "python benchmarks/env_bench.py " + " ".join(sys.argv[1:])
         block = [
             "",
-            f"## pinned envs (issue 5) — {now}",
+            f"## pinned envs — {now}",
             "",
             f"- target: `{spec.name}` ({spec.display}), env `{args.env}`, uv link mode {args.link_mode}; "
             f"machine: {machine()}; commit: {commit()}",

@@ -16,7 +16,7 @@ What is measured (wall clock, one machine: the test host is 127.0.0.1, the conta
 - `fab --list`: the floor any `fab` command pays (interpreter + imports).
 
 Each run is stopped (`fab stop`) before the next. Results are printed and appended to
-benchmarks/RESULTS.md (date, machine, commit, command). Goals (issue 2): <= 5 s and <= 1 s.
+benchmarks/RESULTS.md (date, machine, commit, command). Goals: <= 5 s and <= 1 s.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class GateSpec:
-    """The GPU gate before a launch (issue 4)."""
+    """The GPU gate before a launch (``fab gpus``, ``fab train``)."""
 
     max_memory_mib: int = 64
     expected_name: str = ""
@@ -378,7 +378,7 @@ def _parse_workdir(key: str, raw: Any, local: bool, path: Path) -> str:
 
 
 def _parse_uv_cache(key: str, raw: Any, local: bool, path: Path) -> str:
-    """``uv_cache``: the uv cache dir on the target (issue 5); absolute, or ~/relative for local."""
+    """``uv_cache``: the uv cache dir on the target; absolute, or ~/relative for local."""
     if raw is None:
         return ""
     _check_type(raw, str, f"{key}.uv_cache", "a path string", path)

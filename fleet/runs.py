@@ -122,7 +122,7 @@ def make_run_id(now: dt.datetime, config: str, latest: str | None = None) -> str
 def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
 
-    With a topology N+M (issue 8) the same command runs under torchrun, one process per GPU:
+    With a topology N+M the same command runs under torchrun, one process per GPU:
     ``<python> -m training.topology --standalone --nproc-per-node=N+M -m <module> train ...
     --topology N+M`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0;
     gpus = 0: gloo on CPU, N+M processes)."""
@@ -135,7 +135,7 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     return [python, *launcher, *train, "--topology", str(spec.topology)]
 
 
-COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # issue 7: the compile-cache root (training.compile_cache)
+COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile_cache)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 3, 4, 7 and 8 in one go, on a machine with 2+ GPUs and torch
+# The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
 # (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all)
 set -uo pipefail
@@ -8,7 +8,7 @@ OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(gpus train compile topology)
 
-gpus() {  # issue 4: fab gpus on the real GPUs, clean, then with a process holding memory
+gpus() {  # fab gpus on the real GPUs, clean, then with a process holding memory
     cat > /tmp/fleet-device.toml <<TOML
 default_target = "dev"
 [targets.dev]
@@ -29,17 +29,17 @@ TOML
     python3 -m fabric gpus --wait 30; echo "fab gpus --wait (after kill) exit=$?"
     unset FLEET_CONFIG
 }
-train() {  # issue 3: qwen3-8b-h200 single process, compiled
+train() {  # qwen3-8b-h200 single process, compiled
     timeout -k 30 330 python3 benchmarks/train_bench.py --config qwen3-8b-h200 --steps 30 --warmup-steps 3 \
         --data.num_buckets=2 --data.corpus_files=300 --eval.num_prompts=0 --append-results | tail -1 | tee "$OUT/train.json"
 }
-compile() {  # issue 7: cold / warm dir / mega-cache blob, cuda:0-vs-cuda:1 keys; the 1+1's one shape
+compile() {  # cold / warm dir / mega-cache blob, cuda:0-vs-cuda:1 keys; the 1+1's one shape
     timeout -k 20 "${COMPILE_LIMIT_S:-540}" python3 benchmarks/compile_bench.py --max-shapes 1 --index-check \
         --out /tmp/cb --override=--data.corpus_files=300 --override=--data.num_buckets=1 \
         | tail -1 | tee "$OUT/compile.json"
     keep_cache /tmp/cb compile
 }
-buckets() {  # issue 7: every bucket of qwen3-8b-h200 (6 shapes), when the time is there
+buckets() {  # every bucket of qwen3-8b-h200 (6 shapes), when the time is there
     timeout -k 20 "${BUCKETS_LIMIT_S:-500}" python3 benchmarks/compile_bench.py --out /tmp/cb6 \
         --override=--data.corpus_files=300 | tail -1 | tee "$OUT/compile_buckets.json"
     keep_cache /tmp/cb6 compile_buckets
@@ -49,7 +49,7 @@ keep_cache() {  # the children's logs, the manifest and the Mega-Cache blob come
     for m in "$1"/cold/*/manifest.json; do [ -f "$m" ] && cp -r "$(dirname "$m")" "$OUT/$2/blob" \
         && rm -rf "$OUT/$2/blob/inductor" "$OUT/$2/blob/triton"; done
 }
-topology() {  # issue 8: 1+1 on two GPUs; the drafter reuses compile()'s cache when it is there
+topology() {  # 1+1 on two GPUs; the drafter reuses compile()'s cache when it is there
     [ -d /tmp/cb/cold ] && export FLEET_COMPILE_CACHE=/tmp/cb/cold FLEET_TRAINING_CACHE=/tmp/cb/training-cache
     timeout -k 20 "${TOPOLOGY_LIMIT_S:-520}" python3 benchmarks/topology_bench.py --config qwen3-8b-h200 \
         --topology 1+1 --steps 40 --warmup-steps 5 --run-dir "$OUT/topology-run" \

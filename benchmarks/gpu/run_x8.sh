@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9: the user's 5+3 job shape on 8 GPUs (nvidia-h200-x8), through fleet on the device as a
+# The user's 5+3 job shape on 8 GPUs (nvidia-h200-x8), through fleet on the device as a
 # `local` target. Steps (each with its own time limit; outputs in $OUT, default ./gpu-out):
 #   gpus    fab gpus: 8 clean GPUs (exit 0)
 #   warm    fab deploy + fab warm: every bucket of qwen3-27b-random into <workdir>/compile-cache,

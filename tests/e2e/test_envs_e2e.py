@@ -2,7 +2,7 @@
 
 The container has no uv: fleet pushes the controller's binary to <workdir>/bin/uv, finds the
 container's python3, builds the small `smoke` env (PyPI reachable from the container), and the
-drift / rebuild / failed rebuild / rollback flow of issue 5 runs against it for real.
+drift / rebuild / failed rebuild / rollback flow runs against it for real.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The status model: states and transitions, tolerant parsing, the field-notes bucket table, JSON."""
+"""The status model: states and transitions, tolerant parsing, the user's bucket table, JSON."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOGS = REPO / "tests" / "fixtures" / "logs"
 T0 = 1_764_460_000.0
 
-# the user's start-up log, field-notes.md: exactly these numbers
+# the user's start-up log (tests/fixtures/logs/startup_fieldnotes.log): exactly these numbers
 FIELD_NOTES_TABLE = (
     46688,
     2,
