@@ -11,8 +11,8 @@ import pytest
 from invoke import Context
 from invoke.exceptions import Exit
 
-from fleet.cli import error_line, fleet_task, on_targets, single_target
-from fleet.errors import CommandFailed, DeployError, RunError
+from fleet.cli import error_line, fleet_task, map_targets, on_targets, single_target
+from fleet.errors import CommandFailed, ConfigError, DeployError, RunError
 from fleet.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,6 +136,26 @@ def test_fan_out_groups_output_and_reports_each_failure(
     monkeypatch.setenv("FLEET_TARGET", "b")
     assert on_targets(None, lambda t: f"only {t.name}") is None
     assert capsys.readouterr().out == "only b\n"
+
+
+def test_map_targets_returns_each_outcome_in_inventory_order(
+    two_local: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fan-out behind on_targets: several targets -> (name, result or its FleetError); one -> raises."""
+    monkeypatch.setenv("FLEET_TARGET", "all")
+
+    def work(target: Target) -> str:
+        if target.name == "a":
+            raise RunError("a: no run")
+        return f"{target.name} ok"
+
+    (a, err), (b, text) = map_targets(None, work)
+    assert (a, b, text) == ("a", "b", "b ok") and isinstance(err, RunError)
+    with pytest.raises(ConfigError, match=r"^status --watch follows one target; set FLEET_TARGET"):
+        map_targets(None, work, allow_many=False, why_one="status --watch follows one target")
+    monkeypatch.setenv("FLEET_TARGET", "a")
+    with pytest.raises(RunError, match="a: no run"):
+        map_targets(None, work)
 
 
 def test_fab_logs_on_every_target_and_follow_needs_one(two_local: Path) -> None:
