@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.envs import cuda_mismatch
-from fleet.errors import EnvError, FleetError, tail_lines
+from fleet.errors import FleetError, tail_lines
 from fleet.gpus import Answer, GpuHealth, parse_health_xml, smi_failure
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ RANK_OVERHEAD = 3 * GIB  # host memory per training process (CUDA context, torch
 DEFAULT_TOKENS_PER_S = 20_000.0  # the user's measured 5+3 rate (field notes)
 
 GPU_NODE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+GPU_COLUMN_RE = re.compile(r"^GPU\d+$")
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 CAPS_DIR = "/dev/nvidia-caps"
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
@@ -285,11 +286,11 @@ def parse_gpu_matrix(text: str) -> dict[tuple[int, int], str]:
         words = ANSI_RE.sub("", raw).split()
         if not words:
             continue
-        if not columns and words[0].startswith("GPU") and all(re.match(r"^GPU\d+$", w) for w in words[:1]):
-            if len(words) > 1 and re.match(r"^GPU\d+$", words[1]):
-                columns = [int(w[3:]) for w in words if re.match(r"^GPU\d+$", w)]
-                continue
-        if columns and re.match(r"^GPU\d+$", words[0]):
+        gpu_words = [w for w in words if GPU_COLUMN_RE.match(w)]
+        if not columns and len(words) > 1 and GPU_COLUMN_RE.match(words[1]):  # the header: GPU0 GPU1 ...
+            columns = [int(w[3:]) for w in gpu_words]
+            continue
+        if columns and GPU_COLUMN_RE.match(words[0]):  # a row: GPUn, then one cell per GPU column
             row = int(words[0][3:])
             for col, cell in zip(columns, words[1 : 1 + len(columns)], strict=False):
                 cells[(row, col)] = cell
@@ -629,9 +630,9 @@ def _count(n: float) -> str:
 
 
 def evaluate(
-    spec: TargetSpec, facts: Facts, needs: RunNeeds, bandwidth: Bandwidth | None = None
+    spec: TargetSpec, facts: Facts, needs: RunNeeds, bandwidth: Bandwidth | Finding | None = None
 ) -> DoctorReport:
-    """Every finding from the facts (pure)."""
+    """Every finding from the facts and the bandwidth probe's result (pure)."""
     ct = facts.container
     ct_config = parse_ct_config(_text(facts.host, "ct_config")) if facts.host is not None else None
     findings: list[Finding] = []
@@ -656,7 +657,10 @@ def evaluate(
         )
         findings += _topology(spec, facts, smi)
         findings += _health(spec, facts, smi)
-    if bandwidth is not None:
+    if isinstance(bandwidth, Finding):  # the probe could not measure
+        findings.append(bandwidth)
+        bandwidth = None
+    elif bandwidth is not None:
         findings.append(_bandwidth_finding(spec, bandwidth))
     where = spec.container.display if spec.container else spec.display
     topology_from = f"the host of {where}" if facts.host is not None else where
@@ -746,9 +750,7 @@ def _passthrough(spec: TargetSpec, facts: Facts, ct_config: CtConfig | None) -> 
             )
         else:
             fix = f"add {_mount_line(path)} to the container config and restart it"
-        findings.append(
-            Finding("passthrough", f"{path} in the container", "fail", f"{where} has no {path}", fix)
-        )
+        findings.append(Finding("passthrough", path, "fail", f"{where} has no {path}", fix))
     if not missing:
         findings.append(
             Finding("passthrough", "control nodes", "ok", f"{where} has {', '.join(CONTROL_NODES)}")
@@ -949,8 +951,8 @@ def _driver(spec: TargetSpec, facts: Facts, needs: RunNeeds) -> list[Finding]:
                     f"{lib}.so",
                     "fail",
                     f"{where} has no usable {lib}.so.*{detail}",
-                    f"install the user-space driver {module or ''} without the kernel module in the "
-                    "container (NVIDIA-Linux-x86_64-<version>.run --no-kernel-module, or the distro's "
+                    f"install the host's user-space driver{' ' + module if module else ''} without the "
+                    "kernel module (NVIDIA-Linux-x86_64-<version>.run --no-kernel-module, or the distro's "
                     "matching packages)",
                 )
             )
@@ -1444,12 +1446,15 @@ def probe(target: Target, needs_model: str = "") -> Facts:
 
 def measure_bandwidth(
     target: Target, needs: RunNeeds, tokens_per_s: float, timeout_s: float = 600
-) -> Bandwidth:
+) -> Bandwidth | Finding:
     """``fleet/remote/doctor_bandwidth.py`` in the target's env: one target rank sends a batch of hidden
-    states to one drafter rank (NCCL between the two GPUs; gloo between two CPU processes)."""
+    states to one drafter rank (NCCL between the two GPUs; gloo between two CPU processes). A probe
+    that cannot run is a failed :class:`Finding` (the rest of the report still stands)."""
     spec = target.spec
     if spec.gpus == 1:
-        raise FleetError(f"{spec.name}: --bandwidth needs 2 GPUs (one target, one drafter); gpus = 1")
+        return Finding(
+            "bandwidth", "send/recv", "skip", "gpus = 1: a send/recv needs a target and a drafter GPU"
+        )
     targets, drafters = _roles(spec)
     t_gpu, d_gpu = (targets[0], drafters[0]) if targets else (0, 1)
     per_token = needs.hidden_bytes_per_token if needs.known else 5 * 5120 * 2
@@ -1457,7 +1462,9 @@ def measure_bandwidth(
     args = ["--bytes", str(size), "--timeout", f"{timeout_s:g}"]
     args += ["--gpus", f"{t_gpu},{d_gpu}"] if spec.gpus > 0 else ["--cpu"]
     script = (REMOTE_DIR / "doctor_bandwidth.py").read_bytes()
-    res = target.run([spec.run_python, "-I", "-", *args], stdin=script, check=False, timeout=timeout_s + 60)
+    # the run's own environment (e.g. NCCL_* settings of the inventory's run.env), never shown
+    argv = [spec.run_python, "-I", "-", *args]
+    res = target.run(argv, env=dict(spec.run.env), stdin=script, check=False, timeout=timeout_s + 60)
     try:
         data = json.loads(res.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
@@ -1465,10 +1472,14 @@ def measure_bandwidth(
     if res.exit_code != 0 or "gb_per_s" not in data:
         why = data.get("error") or tail_lines(res.stderr or res.stdout, 2) or f"exit {res.exit_code}"
         if res.exit_code in (126, 127):
-            raise EnvError(
-                f"{spec.name}: {spec.run_python} does not run ({why}); `fab deploy` builds the env"
-            )
-        raise FleetError(f"{spec.name}: the bandwidth probe failed with {spec.run_python}: {why}")
+            return Finding("bandwidth", "send/recv", "fail", f"{spec.run_python} does not run ({why})",
+                           "`fab deploy` builds the env")  # fmt: skip
+        fix = (
+            f"install torch in {spec.run_python} or use a managed env (targets.{spec.name}.env)"
+            if "No module named 'torch'" in why
+            else "NCCL_DEBUG=INFO in the target's run.env shows why NCCL failed"
+        )
+        return Finding("bandwidth", "send/recv", "fail", f"the probe failed ({spec.run_python}): {why}", fix)
     need = per_token * tokens_per_s / 1e9 if spec.gpus > 0 else None
     return Bandwidth(
         backend=str(data["backend"]),

@@ -48,10 +48,15 @@ def test_doctor_bandwidth_on_cpu_measures_two_gloo_processes(tmp_path: Path) -> 
     assert "CPU processes over gloo, not a GPU link" in line
 
 
-def test_doctor_bandwidth_without_the_env_is_one_line(tmp_path: Path) -> None:
+def test_doctor_bandwidth_without_the_env_is_a_failed_check(tmp_path: Path) -> None:
     result = fab(local_config(tmp_path, env="local-cpu", python="python3"), "doctor", "--bandwidth")
-    assert result.returncode == 6, result.stdout + result.stderr
-    (line,) = result.stderr.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    (error,) = result.stderr.splitlines()
     assert (
-        line.startswith("fleet: here: ") and "does not run" in line and "`fab deploy` builds the env" in line
+        error
+        == "fleet: here: not fit to train: 1 problem(s): send/recv (the FAIL lines above say what to do)"
     )
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("FAIL ")]
+    python = tmp_path / "state" / "envs" / "local-cpu" / "current" / "bin" / "python"
+    assert line.startswith(f"FAIL send/recv: {python} does not run (")
+    assert line.endswith("; fix: `fab deploy` builds the env")
