@@ -638,7 +638,7 @@ def evaluate(
     findings: list[Finding] = []
     if spec.gpus > 0:
         findings += _passthrough(spec, facts, ct_config)
-        findings += _driver(spec, facts, needs)
+        findings += _driver(spec, facts)
     else:
         findings.append(
             Finding(
@@ -661,7 +661,7 @@ def evaluate(
         findings.append(bandwidth)
         bandwidth = None
     elif bandwidth is not None:
-        findings.append(_bandwidth_finding(spec, bandwidth))
+        findings.append(_bandwidth_finding(bandwidth))
     where = spec.container.display if spec.container else spec.display
     topology_from = f"the host of {where}" if facts.host is not None else where
     return DoctorReport(
@@ -899,7 +899,7 @@ def _config_lines(
     return findings
 
 
-def _driver(spec: TargetSpec, facts: Facts, needs: RunNeeds) -> list[Finding]:
+def _driver(spec: TargetSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
     ct = facts.container
     where = spec.container.display if spec.container else spec.display
@@ -1139,12 +1139,12 @@ def _nccl(
         )
     else:
         findings.append(Finding("nccl", "hostname", "ok", f"{host} resolves to {resolved.output.split()[0]}"))
-    findings.append(_disk(spec, ct, needs, where))
+    findings.append(_disk(spec, ct, needs))
     findings.append(_memory(spec, ct, ct_config, needs, where))
     return findings
 
 
-def _disk(spec: TargetSpec, ct: Mapping[str, Answer], needs: RunNeeds, where: str) -> Finding:
+def _disk(spec: TargetSpec, ct: Mapping[str, Answer], needs: RunNeeds) -> Finding:
     disk = parse_df(_text(ct, "disk"))
     if disk is None:
         return Finding(
@@ -1387,7 +1387,7 @@ def _health(spec: TargetSpec, facts: Facts, smi: SmiXml | None) -> list[Finding]
     return findings
 
 
-def _bandwidth_finding(spec: TargetSpec, bw: Bandwidth) -> Finding:
+def _bandwidth_finding(bw: Bandwidth) -> Finding:
     devices = " -> ".join(bw.devices)
     measured = f"{bw.gb_per_s:.1f} GB/s ({bw.backend}, {devices}, {_size(bw.bytes)} x {bw.iterations})"
     if bw.backend != "nccl" or bw.need_gb_per_s is None:
