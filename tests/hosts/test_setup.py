@@ -40,3 +40,14 @@ def test_setup_rejects_unknown_arguments() -> None:
         assert "unknown argument '--frobnicate'" in result.stderr
     else:
         assert "run as root" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="tests/hosts/setup needs root")
+def test_container_200_has_shm_and_its_hostname_once_after_every_setup(hosts: TestHost) -> None:
+    result = subprocess.run([str(SETUP)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    etc_hosts = hosts.pct_exec("cat", "/etc/hosts").stdout.splitlines()
+    assert etc_hosts.count(f"127.0.1.1 {hosts.ct_name}") == 1
+    assert hosts.pct_exec("getent", "hosts", hosts.ct_name).stdout.split()[0] == "127.0.1.1"
+    mounts = [m for m in hosts.pct_exec("cat", "/proc/mounts").stdout.splitlines() if " /dev/shm " in m]
+    assert len(mounts) == 1 and mounts[0].startswith("shm /dev/shm tmpfs "), mounts
