@@ -82,10 +82,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         triton_version,
     )
     from training.config import load_config
-    from training.corpus import default_cache_dir
-    from training.data import TrainData, load_tokenized
+    from training.core import build_drafter, load_train_data, set_threads
     from training.target import load_tokenizer, model_source, resolve_device, resolve_dtype
-    from training.trainer import build_drafter
     from training.warm import (
         StandInTarget,
         compile_shapes,
@@ -97,16 +95,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     config = load_config(args.config, args.overrides)
     device = resolve_device(config.model.device)
-    if config.train.torch_threads > 0:
-        torch.set_num_threads(config.train.torch_threads)
+    set_threads(config)
     active = activate(Path(args.cache_root), device, load=args.mode != "warm")
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    tokenizer = load_tokenizer(tok_dir)
-    data_cache = Path(args.cache_root).parent / "data-cache"
-    tokenized = load_tokenized(config.data, tokenizer, default_cache_dir(config.model.cache_dir), data_cache)
-    planner = TrainData(tokenized, config.data).planner
+    planner = load_train_data(
+        config, load_tokenizer(tok_dir), Path(args.cache_root).parent / "data-cache"
+    ).planner
     dtype = resolve_dtype(config.model.dtype, device)
     drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
     shapes = compile_shapes(planner)[: args.max_shapes or None]

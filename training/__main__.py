@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 from training.config import TrainingError
@@ -47,12 +46,9 @@ def _record_error(run_dir: Path | None, exc: BaseException) -> None:
     """An ``error`` event and ``phase: error`` in the run dir (best effort: the dir may be bad)."""
     if run_dir is None:
         return
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
     try:
         with EventWriter(run_dir) as events:
-            events.emit("error", type=type(exc).__name__, message=message, traceback_tail=tail)
-            events.phase("error")
+            events.error(exc)
     except OSError as write_error:
         print(f"(could not record the error in {run_dir}: {write_error})", file=sys.stderr)
 
@@ -67,20 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: Path | None = getattr(args, "run_dir", None)
     try:
         if args.command == "train":
-            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-            if bad:
-                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
+            _check_overrides(extra)
             if args.topology or _config_topology(args.config, extra):
                 from training.distributed import train_distributed
 
                 return train_distributed(args.config, run_dir, extra, args.topology)
-            from training.train import train
+            from training.trainer import train
 
             train(args.config, run_dir, extra)
         elif args.command == "warm":
-            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-            if bad:
-                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
+            _check_overrides(extra)
             from training.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
@@ -107,6 +99,13 @@ def _config_topology(config_name: str, overrides: list[str]) -> str:
     from training.config import load_config
 
     return load_config(config_name, overrides).pipeline.topology
+
+
+def _check_overrides(extra: list[str]) -> None:
+    """Every argument left after the subcommand's own is a ``--section.key=value`` override."""
+    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if bad:
+        raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
 
 
 def raise_usage(message: str) -> None:

@@ -57,24 +57,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training import attention
+from training.config import DrafterSection
 from training.loss import block_loss, tau_from_accuracy
+
+_RUN = DrafterSection()  # the run config's defaults: one default per value
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Drafter hyper-parameters (DFlash defaults)."""
+    """Drafter hyper-parameters (DFlash defaults). The fields the run config's [drafter] section
+    has take their defaults from it (``training.config.DrafterSection``)."""
 
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    sliding_window: int = 2048  # tokens of context before the anchor (sliding layers)
-    full_attention_layers: tuple[int, ...] = (4,)  # the others slide; default: the last layer is full
-    gamma: float = 7.0  # loss weight exp(-(k-1)/gamma) for block offset k
-    loss_chunk_size: int = 4096  # positions per lm_head+CE chunk
+    num_layers: int = _RUN.num_layers
+    block_size: int = _RUN.block_size
+    num_anchors: int = _RUN.num_anchors
+    sliding_window: int = _RUN.sliding_window  # tokens of context before the anchor (sliding layers)
+    full_attention_layers: tuple[int, ...] = _RUN.full_attention_layers  # the others slide
+    gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
+    loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    num_target_layers: int = 5  # n: target hidden states fused (when target_layer_ids is empty)
-    target_layer_ids: tuple[int, ...] = ()  # explicit target layers; () = select_target_layers(L, n)
+    num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
+    target_layer_ids: tuple[int, ...] = _RUN.target_layer_ids  # explicit layers; () = select_target_layers
     flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
     attention_backend: str = "auto"  # auto (flex on CUDA, blockwise on CPU) | flex | blockwise | dense
     # The sequence length num_anchors is meant for (the data's max_length; 0 = every length).

@@ -1,9 +1,10 @@
 """The single-process trainer: target and drafter on one device (CPU or one GPU).
 
-The step is split so that it does not care where hidden states come from (issue 8 feeds
-them from other processes): ``target_forward`` (training.target) makes them,
-``drafter_step`` consumes them. Anchors are drawn from a generator seeded by the batch's
-data position, so a resumed run draws exactly the anchors the uninterrupted one would.
+The target forward (``training.target.target_forward``) makes the hidden states and the
+drafter step of ``training.core`` consumes them, the same step the drafter ranks of an N+M
+job run on hidden states from other processes (``training.distributed``). Anchors are drawn
+from a generator seeded by the batch's data position, so a resumed run draws exactly the
+anchors the uninterrupted one would.
 
 Resume is automatic: a run dir that holds checkpoints continues from the newest one
 (model, optimizer, scheduler, data position, RNG). SIGTERM/SIGINT finish the current
@@ -12,139 +13,24 @@ step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
 
 from __future__ import annotations
 
-import math
-import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
-from torch import nn
 
-from training import attention, warm
-from training.buckets import Position, format_bucket_table
-from training.checkpoint import (
-    check_resumable,
-    load_latest,
-    remove_stale_temps,
-    restore_rng,
-    save_checkpoint,
-)
-from training.config import ConfigError, RunConfig, config_to_dict, write_config
-from training.corpus import default_cache_dir
-from training.data import Batch, TrainData, load_tokenized
-from training.drafter import DFlashDrafter, DrafterConfig, sample_anchors
+from training import core, warm
+from training.buckets import Position
+from training.checkpoint import check_resumable
+from training.config import RunConfig, load_config, write_config
+from training.data import Batch
 from training.eval import evaluate_acceptance
 from training.events import EventWriter, print0
-from training.target import (
-    check_vocab,
-    load_model,
-    load_tokenizer,
-    model_source,
-    num_layers,
-    resolve_device,
-    target_forward,
-)
+from training.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
 from training.wandb_logger import NullLogger, make_logger
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: float
-    acc: list[float]
-    tau: float
-    grad_norm: float
-    lr: float
-    num_tokens: int
-
-
-def drafter_config(config: RunConfig) -> DrafterConfig:
-    """``DrafterConfig`` from the run config's [drafter] section (matching field names)."""
-    known = {f.name for f in fields(DrafterConfig)}
-    values = {f.name: getattr(config.drafter, f.name) for f in fields(config.drafter) if f.name in known}
-    values["anchor_length"] = config.data.max_length  # num_anchors is per max_length sequence
-    try:
-        return DrafterConfig(**values)
-    except ValueError as exc:  # DrafterConfig's own checks name the key
-        raise ConfigError(f"config key {exc}") from None
-
-
-def anchors_per_row(config: RunConfig, padded_length: int) -> int:
-    """``drafter.num_anchors`` scaled to a batch padded to ``padded_length`` (DrafterConfig.anchors_for)."""
-    return drafter_config(config).anchors_for(padded_length)
-
-
-def build_drafter(config: RunConfig, target: nn.Module, device: torch.device) -> DFlashDrafter:
-    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed)."""
-    torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(
-        drafter_config(config), target.config, target.get_input_embeddings(), target.get_output_embeddings()
-    )
-    return drafter.to(device)
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def anchor_generator(seed: int, position: Position) -> torch.Generator:
-    """The anchor RNG of one batch: a function of (seed, epoch, batch index) only."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + position.epoch) * 10_000_019 + position.index)
-
-
-def drafter_step(
-    drafter: DFlashDrafter,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    hidden: torch.Tensor,
-    anchors: torch.Tensor,
-    *,
-    grad_clip: float,
-    autocast_dtype: torch.dtype | None,
-    always_backward: bool = False,
-) -> StepResult:
-    """One optimizer step of the drafter on given target hidden states.
-
-    ``always_backward``: run backward even with no labelled token (a zero loss), as DDP
-    needs every rank to join each gradient all-reduce (training.distributed)."""
-    drafter.train()
-    device_type = input_ids.device.type
-    with torch.autocast(
-        device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
-    ):
-        out = drafter(input_ids, hidden, loss_mask, anchors)
-    optimizer.zero_grad(set_to_none=True)
-    lr = float(scheduler.get_last_lr()[0])
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    if out.num_tokens > 0 or always_backward:
-        out.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-        optimizer.step()
-    else:
-        grad_norm = 0.0
-    scheduler.step()
-    return StepResult(
-        loss=float(out.loss.detach()),
-        acc=[float(a) for a in out.acc_per_offset.detach().cpu()],
-        tau=float(out.tau_estimate),
-        grad_norm=grad_norm,
-        lr=lr,
-        num_tokens=int(out.num_tokens),
-    )
 
 
 class Trainer:
@@ -162,19 +48,17 @@ class Trainer:
         self._stop_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self.eval_only = eval_only
-        if config.train.torch_threads > 0:
-            torch.set_num_threads(config.train.torch_threads)
+        core.set_threads(config)
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
             return
         check_resumable(config, self.run_dir)
         self.logger, logger_line = make_logger(config, self.run_dir)
         write_config(config, self.run_dir)
-        self.events.emit(
-            "run_start",
-            config=config.name,
-            run_dir=str(self.run_dir),
-            pid=os.getpid(),
+        core.emit_run_start(
+            self.events,
+            config,
+            self.run_dir,
             host=socket.gethostname(),
             world_size=1,
             device=str(self.device),
@@ -194,82 +78,54 @@ class Trainer:
         self._phase("load_data")
         folder, tok_dir = model_source(cfg)
         self.tokenizer = load_tokenizer(tok_dir)
-        data_cache = (
-            Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else self.run_dir / "data-cache"
-        )
-
-        tokenized = load_tokenized(
-            cfg.data, self.tokenizer, default_cache_dir(cfg.model.cache_dir), data_cache
-        )
-        self.data = TrainData(tokenized, cfg.data)
+        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE)
         if not quiet_data:
-            self.events.phase("buckets")
-            table = self.data.planner.table()
-            print0(format_bucket_table(table))
-            self.events.emit("buckets", **table.event_fields())
+            core.announce_buckets(self.data, self.events, print0)
 
         self._phase("load_target")
         print0(f"Loading target ({cfg.model.kind}) {folder or '(random weights)'}...")
-        t0 = time.monotonic()
-        if not self.eval_only:
-            self.events.emit("load_progress", what="target", done=0, total=1, seconds=0.0)
-        self.target = load_model(cfg, folder)
-        check_vocab(self.target, self.tokenizer)
-        seconds = time.monotonic() - t0
-        if not self.eval_only:
-            self.events.emit("load_progress", what="target", done=1, total=1, seconds=seconds)
+        self.target, seconds = core.load_run_target(
+            cfg, folder, self.tokenizer, None if self.eval_only else self.events
+        )
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
 
         self._phase("load_drafter")
-        self.drafter = build_drafter(cfg, self.target, self.device)
+        self.drafter = core.build_drafter(cfg, self.target, self.device)
         self.layer_ids = list(self.drafter.target_layer_ids)
-        trainable = [p for p in self.drafter.parameters() if p.requires_grad]
-        count = sum(p.numel() for p in trainable)
+        count = sum(p.numel() for p in core.trainable_parameters(self.drafter))
         print0(
             f"Drafter: {cfg.drafter.num_layers} layers, {count / 1e6:.2f}M params, "
             + f"target layers {self.layer_ids}"
         )
-        self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=cfg.train.lr,
-            betas=(cfg.train.beta1, cfg.train.beta2),
-            weight_decay=cfg.train.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        )
+        self.optimizer, self.scheduler = core.build_optimizer(cfg, self.drafter)
         self._setup_compile()
         self._resume()
 
     def _setup_compile(self) -> None:
-        mode = self.config.compile.enabled
-        self.compiled = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        self.compiled = core.compiles(self.config, self.device)
         if not self.compiled:
             return
         self._phase("compile")
-        if self.device.type == "cpu":
-            attention.set_cpu_compile(True)
-        buckets = warm.num_compiled_shapes(self.data.planner)  # (bucket, batch size) shapes (issue 7)
-        limit = warm.set_compile_guards(self.config, self.drafter, buckets)
-        print0(f"compile: on, recompile_limit={limit} (fail_on_recompile_limit_hit) for {buckets} shapes")
-        self.compile_reporter = warm.prepare_trainer(self)  # cache dir + blob; compile_cache events
+        self.compile_reporter = warm.prepare_compile(
+            self.config,
+            self.drafter,
+            self.data.planner,
+            self.device,
+            echo=print0,
+            prewarm_dtype=None if self.eval_only else self.target.get_input_embeddings().weight.dtype,
+        )
 
     def _resume(self) -> None:
-        remove_stale_temps(self.run_dir)
-        state = load_latest(self.run_dir, map_location="cpu")  # RNG states must stay on CPU
-        if state is None:
+        resumed = core.resume(  # RNG states must stay on CPU
+            self.run_dir, self.drafter, self.optimizer, self.scheduler, map_location="cpu"
+        )
+        if resumed is None:
             return
-        self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.position = Position(*state["position"])
-        self.last_tau = float(state.get("tau", 1.0))
-        restore_rng(state)
+        self.step, self.position, self.last_tau = resumed.step, resumed.position, resumed.tau
         if self.eval_only:
-            print0(f"Loaded {state['path']} (step {self.step})")
+            print0(f"Loaded {resumed.path} (step {self.step})")
         else:
-            print0(f"Resumed from {state['path']} at step {self.step}, next batch {self.position}")
+            print0(f"Resumed from {resumed.path} at step {self.step}, next batch {self.position}")
 
     # ----------------------------------------------------------------- loop
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -292,19 +148,19 @@ class Trainer:
         batch, self.position = self.data.batch(self.position, pad_id, pad_to_bucket=self.compiled)
         return batch
 
-    def train_step(self, batch: Batch) -> StepResult:
+    def train_step(self, batch: Batch) -> core.StepResult:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         mask = batch.loss_mask.to(self.device, non_blocking=True)
         hidden = target_forward(self.target, ids, self.layer_ids)
-        anchors = sample_anchors(
-            mask,
-            batch.lengths,
-            anchors_per_row(self.config, mask.shape[1]),
-            self.config.drafter.block_size,
-            anchor_generator(self.config.train.seed, batch.position),
+        return self.drafter_step(
+            ids, mask, hidden, core.batch_anchors(self.config, mask, batch.lengths, batch.position)
         )
-        autocast = torch.bfloat16 if self.device.type == "cuda" else None
-        return drafter_step(
+
+    def drafter_step(
+        self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
+    ) -> core.StepResult:
+        """One optimizer step of this trainer's drafter on given hidden states."""
+        return core.drafter_step(
             self.drafter,
             self.optimizer,
             self.scheduler,
@@ -313,22 +169,20 @@ class Trainer:
             hidden,
             anchors,
             grad_clip=self.config.train.grad_clip,
-            autocast_dtype=autocast,
         )
 
     def checkpoint(self) -> None:
-        self.events.phase("checkpoint")
-        state = {
-            "drafter": self.drafter.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "position": (self.position.epoch, self.position.index),
-            "tau": self.last_tau,
-            "config": config_to_dict(self.config),
-        }
-        saved = save_checkpoint(self.run_dir, self.step, state, self.config.checkpoint.keep)
-        self.events.emit("checkpoint", step=saved.step, path=str(saved.path), seconds=saved.seconds)
-        print0(f"checkpoint step {saved.step} -> {saved.path} ({saved.seconds:.2f}s)")
+        state = core.checkpoint_state(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            position=self.position,
+            tau=self.last_tau,
+            config=self.config,
+        )
+        core.write_checkpoint(
+            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0
+        )
 
     def evaluate(self) -> None:
         cfg = self.config.eval
@@ -360,35 +214,20 @@ class Trainer:
             f"({time.monotonic() - t0:.1f}s)"
         )
 
-    def _log_step(self, result: StepResult, batch: Batch, seconds: float) -> None:
-        cfg = self.config.train
-        tokens = int(batch.lengths.sum())
-        tokens_per_s = tokens / max(seconds, 1e-9)
-        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-        fields_ = {
-            "step": self.step,
-            "total_steps": cfg.steps,
-            "epoch": batch.position.epoch,
-            "loss": result.loss,
-            "acc": result.acc,
-            "tau": result.tau,
-            "lr": result.lr,
-            "tokens_per_s": tokens_per_s,
-            "grad_norm": result.grad_norm,
-            "mem_gib": mem,
-        }
-        shape_fields = {
-            "tokens": tokens,
-            "sequences": int(batch.lengths.numel()),
-            "padded_length": int(batch.input_ids.shape[1]),
-            "step_s": seconds,
-        }
-        self.events.emit("step", **fields_, **shape_fields)
-        self.logger.log({f"train/{k}": v for k, v in fields_.items() if k != "acc"}, self.step)
-        print0(
-            f"step {self.step}/{cfg.steps} epoch {batch.position.epoch} loss {result.loss:.4f} "
-            f"tau {result.tau:.3f} acc1 {result.acc[0] if result.acc else 0:.3f} lr {result.lr:.2e} "
-            f"gnorm {result.grad_norm:.2f} tok/s {tokens_per_s:.0f}"
+    def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
+        shape = core.batch_shape(batch.input_ids, batch.lengths)
+        core.report_step(
+            self.events,
+            result,
+            step=self.step,
+            total_steps=self.config.train.steps,
+            epoch=batch.position.epoch,
+            tokens_per_s=shape["tokens"] / max(seconds, 1e-9),
+            device=self.device,
+            echo=print0,
+            logger=self.logger,
+            **shape,
+            step_s=seconds,
         )
 
     def train(self) -> int:
@@ -400,11 +239,7 @@ class Trainer:
             last_saved = self.step
             while self.step < cfg.train.steps:
                 if self._stop_signal is not None:  # arrived during setup, eval or a checkpoint
-                    if last_saved != self.step:
-                        self.checkpoint()
-                    self.events.phase("stopped")
-                    print0(f"stopped at step {self.step} (checkpointed)")
-                    return self.step
+                    return self._stop(last_saved)
                 t0 = time.monotonic()
                 batch = self.next_batch()
                 result = self.train_step(batch)
@@ -415,10 +250,7 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
                 if self._stop_signal is not None:
-                    self.checkpoint()
-                    self.events.phase("stopped")
-                    print0(f"stopped at step {self.step} (checkpointed)")
-                    return self.step
+                    return self._stop(last_saved)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.checkpoint()
                     last_saved = self.step
@@ -437,10 +269,29 @@ class Trainer:
         finally:
             self._restore_signals()
 
+    def _stop(self, last_saved: int) -> int:
+        """A stop signal came: checkpoint unless this step is saved, ``phase: stopped``."""
+        if last_saved != self.step:
+            self.checkpoint()
+        self.events.phase("stopped")
+        print0(f"stopped at step {self.step} (checkpointed)")
+        return self.step
+
     def close(self) -> None:
         self._restore_signals()
         self.logger.finish()
         self.events.close()
+
+
+def train(config_name: str, run_dir: Path, overrides: list[str]) -> int:
+    """``python -m training train`` (one process): run or resume a training run; the steps done."""
+    config = load_config(config_name, overrides)
+    trainer = Trainer(config, run_dir)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 def evaluate_run(config: RunConfig, run_dir: Path) -> None:
