@@ -32,10 +32,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N+M",
         help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
     )
-    sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.plan)")
+    sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.run.plan)")
     evaluate = sub.add_parser("eval", help="measure real acceptance of the newest checkpoint of a run")
     evaluate.add_argument("--run-dir", required=True, type=Path)
-    warm = sub.add_parser("warm", help="compile every shape of a config into a compile cache (training.warm)")
+    warm = sub.add_parser(
+        "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
+    )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     warm.add_argument("--cache-dir", default="", help="the cache root (default $FLEET_COMPILE_CACHE)")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
@@ -56,7 +58,7 @@ def _record_error(run_dir: Path | None, exc: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from training.plan import main as plan_main
+        from training.run.plan import main as plan_main
 
         return plan_main(argv[1:])
     args, extra = _parser().parse_known_args(argv)
@@ -65,22 +67,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             _check_overrides(extra)
             if args.topology or _config_topology(args.config, extra):
-                from training.distributed import train_distributed
+                from training.run.distributed import train_distributed
 
                 return train_distributed(args.config, run_dir, extra, args.topology)
-            from training.trainer import train
+            from training.run.single import train
 
             train(args.config, run_dir, extra)
         elif args.command == "warm":
             _check_overrides(extra)
-            from training.warm import warm_main
+            from training.compile.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
         else:
             if extra:
                 raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir")
             from training.config import read_config
-            from training.trainer import evaluate_run
+            from training.run.single import evaluate_run
 
             evaluate_run(read_config(run_dir), run_dir)
     except TrainingError as exc:

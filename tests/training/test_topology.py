@@ -22,8 +22,8 @@ import torch
 
 from training.config import ConfigError, load_config
 from training.events import read_events, validate_event
-from training.pipeline import KIND_BATCH, Header, WorkItem, unpack
-from training.plan import best_split, predict_splits
+from training.run.pipeline import KIND_BATCH, Header, WorkItem, unpack
+from training.run.plan import best_split, predict_splits
 from training.topology import Topology, parse_topology, pin_visible_gpu, visible_gpu_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +163,7 @@ def test_bad_topology_input_is_one_line(topology: str, expected: str, tmp_path: 
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_plan_probe_on_cpu(tiny_cache: Path) -> None:
     """The real probe (tiny model, CPU): positive rates and a prediction for every split."""
     proc = subprocess.run(
@@ -210,7 +211,7 @@ def test_fleet_launches_torchrun_for_a_topology() -> None:
     assert runs.training_argv(replace(spec, topology=None), "/r")[1:3] == ["-m", "training"]
 
 
-# ---------------------------------------------------------------- real torchrun jobs
+# ---------------------------------------------------------------- real torchrun jobs (slow)
 def _env(cache: Path) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -274,6 +275,7 @@ def single_losses(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["1+1", "2+1"])
 def test_topology_matches_single_process(
     topology: str, single_losses: list[float], tiny_cache: Path, tmp_path: Path
@@ -302,6 +304,7 @@ def test_topology_matches_single_process(
     assert (run_dir / "checkpoints" / "step-00000004.pt").is_file()
 
 
+@pytest.mark.slow
 def test_free_order_two_drafters_trains(tiny_cache: Path, tmp_path: Path) -> None:
     """1+2, free order: DDP over two drafters, every step on both, distinct batches."""
     run_dir = tmp_path / "run"
@@ -318,6 +321,7 @@ def test_free_order_two_drafters_trains(tiny_cache: Path, tmp_path: Path) -> Non
     assert {e["rank"] for e in done} == {1, 2}
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_job_with_error_naming_it(tiny_cache: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     argv = _torchrun("2+1", run_dir, ["--train.steps=100000"])
@@ -342,6 +346,7 @@ def test_killed_rank_ends_job_with_error_naming_it(tiny_cache: Path, tmp_path: P
     assert (named[0]["peer_rank"], named[0]["peer_role"], named[0]["peer_host"]) == (1, "target", host)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_stops_cleanly(tiny_cache: Path, tmp_path: Path) -> None:
     """`fab stop` signals the run's process group: checkpoint, `stopped` on every rank, exit 0."""
     run_dir = tmp_path / "run"
@@ -372,6 +377,7 @@ def test_sigterm_to_the_process_group_stops_cleanly(tiny_cache: Path, tmp_path: 
     assert not [e for e in events if e["event"] == "error"]
 
 
+@pytest.mark.slow
 def test_hung_rank_ends_job_after_the_timeout(tiny_cache: Path, tmp_path: Path) -> None:
     """A rank that stops answering (SIGSTOP: alive, silent) ends the job once the timeout passes."""
     run_dir = tmp_path / "run"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from training.drafter import (
+from training.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
     block_labels,
@@ -232,7 +232,7 @@ def test_anchor_count_keeps_the_anchor_density_of_a_max_length_row() -> None:
 
 def test_the_run_config_scales_anchors_with_the_buckets_length() -> None:
     from training.config import load_config
-    from training.core import anchors_per_row, drafter_config
+    from training.run.core import anchors_per_row, drafter_config
 
     config = load_config("qwen3-8b-h200", [])
     assert drafter_config(config).anchor_length == config.data.max_length == 4096

@@ -32,10 +32,10 @@ reserved, so any tokenizer works). The blocks pass N decoder layers (RMSNorm, GQ
 with per-head q/k RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the
 target's hidden size and head layout. Each layer's queries come from the block tokens; its
 keys/values from [fused context ; block tokens] through the layer's own k/v projections
-(the context is not updated across layers). Visibility: ``training/attention.py``. RoPE
+(the context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
 positions: context ``j`` -> ``j``; block offset ``i`` of anchor ``a`` -> ``a + i``. A final
 RMSNorm, then the target's frozen lm_head; offset ``i >= 1`` predicts the token at ``a + i``
-(loss: ``training/loss.py``).
+(loss: ``training/model/loss.py``).
 
 Layers listed in ``cfg.full_attention_layers`` see all context before the anchor; the others
 see the last ``cfg.sliding_window`` context tokens before it.
@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training import attention
 from training.config import DrafterSection
-from training.loss import block_loss, tau_from_accuracy
+from training.model import attention
+from training.model.loss import block_loss, tau_from_accuracy
 
 _RUN = DrafterSection()  # the run config's defaults: one default per value
 

@@ -1,8 +1,8 @@
 """The single-process trainer: target and drafter on one device (CPU or one GPU).
 
-The target forward (``training.target.target_forward``) makes the hidden states and the
-drafter step of ``training.core`` consumes them, the same step the drafter ranks of an N+M
-job run on hidden states from other processes (``training.distributed``). Anchors are drawn
+The target forward (``training.model.target.target_forward``) makes the hidden states and the
+drafter step of ``training.run.core`` consumes them, the same step the drafter ranks of an N+M
+job run on hidden states from other processes (``training.run.distributed``). Anchors are drawn
 from a generator seeded by the batch's data position, so a resumed run draws exactly the
 anchors the uninterrupted one would.
 
@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
-from training import core, warm
-from training.buckets import Position
-from training.checkpoint import check_resumable
+from training.compile import warm
 from training.config import RunConfig, load_config, write_config
-from training.data import Batch
-from training.eval import evaluate_acceptance
+from training.data.buckets import Position
+from training.data.dataset import Batch
 from training.events import EventWriter, print0
-from training.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.run import core
+from training.run.checkpoint import check_resumable
+from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
 
 

@@ -1,7 +1,7 @@
 """The tiny default target: a small Qwen3-architecture model and a BPE tokenizer, built locally.
 
 Both are saved with ``save_pretrained`` into a cache folder and then loaded back by
-``training.target.load_target`` exactly as a real model folder would be: the tiny run
+``training.model.target.load_target`` exactly as a real model folder would be: the tiny run
 exercises the same loading code as the user's 27B job. Nothing is downloaded: the tokenizer
 is trained with ``tokenizers`` on the default corpus, the model is randomly initialised.
 The folder is built under a temporary name and renamed into place, so a killed build never
@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from training.config import ModelSection
-from training.corpus import build_default_corpus, iter_texts
+from training.data.corpus import build_default_corpus, iter_texts
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

@@ -1,9 +1,9 @@
 """The drafter-training core: the one implementation both drivers run.
 
-The single-process trainer (``training.trainer``: target and drafter in one process) and the
-drafter ranks of an N+M job (``training.distributed``) differ only in where hidden states come
+The single-process trainer (``training.run.single``: target and drafter in one process) and the
+drafter ranks of an N+M job (``training.run.distributed``) differ only in where hidden states come
 from and who writes what; everything else about training the drafter is here, written once,
-and so are the pieces ``training.plan`` (the split probe) and ``training.warm`` (the compile
+and so are the pieces ``training.run.plan`` (the split probe) and ``training.compile.warm`` (the compile
 warm-up) reuse:
 
     drafter_config, build_drafter     the run config's drafter, sharing the target's embedding/lm_head
@@ -30,14 +30,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.buckets import Position, format_bucket_table
-from training.checkpoint import SavedCheckpoint, load_latest, remove_stale_temps, restore_rng, save_checkpoint
 from training.config import ConfigError, RunConfig, config_to_dict
-from training.corpus import default_cache_dir
-from training.data import TrainData, load_tokenized
-from training.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
+from training.data.buckets import Position, format_bucket_table
+from training.data.corpus import default_cache_dir
+from training.data.dataset import TrainData, load_tokenized
 from training.events import EventWriter
-from training.target import check_vocab, load_model
+from training.model.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
+from training.model.target import check_vocab, load_model
+from training.run.checkpoint import (
+    SavedCheckpoint,
+    load_latest,
+    remove_stale_temps,
+    restore_rng,
+    save_checkpoint,
+)
 from training.wandb_logger import MetricsLogger
 
 Echo = Callable[[str], None]
@@ -175,7 +181,7 @@ def drafter_step(
     """One optimizer step of the drafter on given target hidden states.
 
     ``always_backward``: run backward even with no labelled token (a zero loss), as DDP
-    needs every rank to join each gradient all-reduce (training.distributed)."""
+    needs every rank to join each gradient all-reduce (training.run.distributed)."""
     out = train_forward(drafter, input_ids, loss_mask, hidden, anchors)
     optimizer.zero_grad(set_to_none=True)
     lr = float(scheduler.get_last_lr()[0])

@@ -7,10 +7,10 @@ trainer does, then runs one optimizer-free training step (forward + backward und
 trainer's autocast) for every distinct compiled shape, serially, printing progress per
 shape: on GPU that is ``create_block_mask`` + ``flex_attention`` forward and backward with
 the run's BlockMask for every (bucket, batch size) x mask variant; on CPU, where torch 2.13
-has no flex backward, the compiled blockwise attention (``training.attention``). The chunked
+has no flex backward, the compiled blockwise attention (``training.model.attention``). The chunked
 loss runs too (it is not compiled: its chunk length depends on the batch's labels). Then
 the Mega-Cache blob (``torch.compiler.save_cache_artifacts``) and ``manifest.json`` (with
-``complete: true``) are written into ``ROOT/<key>/`` (``training.compile_cache``).
+``complete: true``) are written into ``ROOT/<key>/`` (``training.compile.cache``).
 
 Shapes: the trainer pads each batch to its bucket's length, and a bucket's batches hold
 ``min(max_batch_size, token_budget // length)`` sequences except the bucket's last batch,
@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from training import attention
-from training.compile_cache import (
+from training.compile.cache import (
     CacheDir,
     CounterReporter,
     Manifest,
@@ -59,11 +58,12 @@ from training.compile_cache import (
     triton_version,
 )
 from training.config import ConfigError, RunConfig, config_to_dict, load_config
-from training.core import build_drafter, compiles, load_train_data, set_threads, train_forward
-from training.drafter import DFlashDrafter, sample_anchors
+from training.model import attention
+from training.model.drafter import DFlashDrafter, sample_anchors
+from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
 
 if TYPE_CHECKING:
-    from training.buckets import EpochPlanner
+    from training.data.buckets import EpochPlanner
 
 Echo = Callable[[str], None]
 SHAPE_SECTIONS = ("model", "drafter", "data", "compile")  # what the compiled shapes depend on
@@ -115,7 +115,7 @@ class StandInTarget(nn.Module):
 def target_config(config: RunConfig, folder: str) -> Any:
     """The target's HF config without loading weights."""
     if config.model.kind == "random":
-        from training.tinymodel import qwen3_config
+        from training.model.tinymodel import qwen3_config
 
         return qwen3_config(config.model, config.model.vocab_size)
     from transformers import AutoConfig
@@ -196,8 +196,8 @@ def run_warm(
     config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = _echo
 ) -> Manifest | None:
     """Warm ``root/<key>`` for ``config``; None when the config does not compile on this device."""
-    from training.buckets import format_bucket_table
-    from training.target import load_tokenizer, model_source, resolve_device, resolve_dtype
+    from training.data.buckets import format_bucket_table
+    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
 
     started = time.monotonic()
     device = resolve_device(config.model.device)

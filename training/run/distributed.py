@@ -3,7 +3,7 @@
 Targets (ranks 0..N-1) read disjoint shards of the global batch order (target ``t`` takes
 global batches ``g`` with ``g % N == t``), run the frozen target forward (no grad; bf16 on
 GPU) and send hidden states + tokens + loss mask + lengths + anchors to drafters
-(training.pipeline). Drafters (ranks N..N+M-1) train with DDP over the drafter group; one
+(training.run.pipeline). Drafters (ranks N..N+M-1) train with DDP over the drafter group; one
 optimizer step consumes one batch per drafter, so ``train.steps`` steps use ``steps * M``
 global batches.
 
@@ -40,13 +40,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from training import compile_cache, core, warm
-from training.buckets import Position
-from training.checkpoint import check_resumable, list_checkpoints
+from training.compile import warm
+from training.compile.cache import CounterReporter
 from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
-from training.data import Batch, TrainData
+from training.data.buckets import Position
+from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
-from training.pipeline import (
+from training.model.target import load_tokenizer, model_source, num_layers, target_forward
+from training.run import core
+from training.run.checkpoint import check_resumable, list_checkpoints
+from training.run.pipeline import (
     CREDIT,
     KIND_END,
     STOP_DONE,
@@ -64,7 +67,6 @@ from training.pipeline import (
     send_control,
     start_thread,
 )
-from training.target import load_tokenizer, model_source, num_layers, target_forward
 from training.topology import (
     STARTUP_TIMEOUT_S,
     DistContext,
@@ -250,7 +252,7 @@ class DrafterWorker(Worker):
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         self.optimizer, self.scheduler = core.build_optimizer(cfg, drafter)
-        self.compile_reporter: compile_cache.CounterReporter | None = None
+        self.compile_reporter: CounterReporter | None = None
         if core.compiles(cfg, ctx.device):
             self.events.phase("compile")
             self.compile_reporter = warm.prepare_compile(

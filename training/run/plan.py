@@ -103,9 +103,9 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
     import torch
 
     from training.config import load_config
-    from training.core import batch_anchors
-    from training.target import target_forward
-    from training.trainer import Trainer
+    from training.model.target import target_forward
+    from training.run.core import batch_anchors
+    from training.run.single import Trainer
 
     config = load_config(config_name, overrides)
     scratch = Path(tempfile.mkdtemp(prefix="fleet-plan-"))
