@@ -1,5 +1,5 @@
 """Time to first step with a cold compile cache, a warm cache dir, and a Mega-Cache blob loaded
-into an empty dir; miss counts of each; the same start with compile excluded (issue 7).
+into an empty dir; miss counts of each; the same start with compile excluded.
 
     python benchmarks/compile_bench.py                       # GPU: qwen3-8b-h200 and its buckets
     python benchmarks/compile_bench.py --device cpu          # tiny CPU mode (one shape, CPU inductor)

@@ -1,4 +1,4 @@
-"""Single-process trainer benchmark: step time, tokens/s, peak memory and MFU (issue 3).
+"""Single-process trainer benchmark: step time, tokens/s, peak memory and MFU.
 
     # on one H200 (the qwen3-8b-h200 shape: random weights built from its config)
     python benchmarks/train_bench.py --config qwen3-8b-h200 --steps 40

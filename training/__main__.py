@@ -1,7 +1,9 @@
-"""``python -m training {train,eval}`` — the trainer's command line (runs on the target).
+"""``python -m training {train,eval,warm,plan}`` — the trainer's command line (runs on the target).
 
-    python -m training train --config NAME|PATH --run-dir DIR [--section.key=value ...]
+    python -m training train --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
     python -m training eval  --run-dir DIR
+    python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
+    python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,

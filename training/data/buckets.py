@@ -135,7 +135,7 @@ def plan_epoch(
             if len(batch) < per_batch <= len(members):
                 # The tail batch is topped up with the bucket's first sequences of this epoch, so
                 # every batch of a bucket has one shape: one compile per bucket, never a tail's
-                # extra one (issue 7). A bucket smaller than one batch is a single batch anyway.
+                # extra one. A bucket smaller than one batch is a single batch anyway.
                 batch = np.concatenate([batch, members[: per_batch - len(batch)]])
             batches.append((b, batch))
     order = rng.permutation(len(batches))

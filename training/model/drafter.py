@@ -16,7 +16,7 @@ Interface (the contract with the trainer; keep it):
     DFlashDrafter.variants() -> the attention windows in use (None = full): pass
       len(variants()) to attention.configure_compile(num_buckets, variants)
 
-Additions to the brief's interface (nothing removed or renamed): DrafterConfig also has
+Beyond that interface: DrafterConfig also has
 ``num_target_layers`` / ``target_layer_ids`` (which target layers; () = DFlash's rule),
 ``flex_tile`` and ``attention_backend`` ("auto" = flex on CUDA, blockwise on CPU: torch
 2.13 has no flex backward on CPU); DraftOutput also has ``correct_per_offset`` and
@@ -141,7 +141,7 @@ class DraftOutput:
     count_per_offset: Tensor  # [B-1] long
 
 
-def select_target_layers(num_hidden_layers: int, n: int = 5) -> list[int]:
+def select_target_layers(num_hidden_layers: int, n: int = _RUN.num_target_layers) -> list[int]:
     """DFlash's rule: ``n`` layer ids spread evenly over the target's depth.
 
     ``round(1 + i * (L - 4) / (n - 1))`` for i = 0..n-1: from layer 1 to layer L-3 (the

@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,19 @@ class Worker:
         timeout = timedelta(seconds=max(self.timeout_s, STARTUP_TIMEOUT_S))
         dist.monitored_barrier(group=self.ctx.startup, timeout=timeout, wait_all_ranks=True)
 
+    def ready(self, waiting_for: str) -> Iterator[Message]:
+        """The messages already in the inbox, without waiting; an error among them raises
+        ``RankLost`` naming the peer."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message.kind == "error":
+                self.inbox.put(message)
+                self.message(waiting_for)  # raises RankLost naming the peer
+            yield message
+
     def message(self, waiting_for: str, peer: int | None = None) -> Message:
         started = time.monotonic()
         message = next_message(self.inbox, self.timeout_s, waiting_for, self.ctx.describe, peer)
@@ -201,14 +215,7 @@ class TargetWorker(Worker):
                 stopped_by_signal |= message.value == STOP_SIGNAL
 
         while open_:
-            while True:
-                try:
-                    ready = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if ready.kind == "error":
-                    self.inbox.put(ready)
-                    self.message("peers")  # raises RankLost naming the peer
+            for ready in self.ready("peers"):
                 handle(ready)
             ready_ds = [d for d in sorted(open_) if credits[d] > 0]
             if fixed:
@@ -318,14 +325,7 @@ class DrafterWorker(Worker):
         if self.config.pipeline.order == "fixed":
             want = topo.target_ranks[(self.taken * topo.drafters + self.ctx.index) % topo.targets]
         while True:
-            while True:
-                try:
-                    message = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if message.kind == "error":
-                    self.inbox.put(message)
-                    self.message("targets")
+            for message in self.ready("targets"):
                 self._file(message)
             source = self._pick(want)
             if source is not None:

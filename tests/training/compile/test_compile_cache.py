@@ -1,4 +1,4 @@
-"""Compile-cache warming (issue 7): key, manifest, counters, `fab warm` -> `fab train` hits, blob reuse.
+"""Compile-cache warming: key, manifest, counters, `fab warm` -> `fab train` hits, blob reuse.
 
 The slow tests run the real thing on the CPU inductor (gcc): `fab deploy` + `fab warm` on a local
 target, then `fab train` and a trainer on an empty cache dir that only got the Mega-Cache blob.

@@ -17,7 +17,7 @@ from training.data.buckets import (
     plan_epoch,
 )
 
-# The user's real start-up log (field notes), verbatim, with the lines around the table.
+# The user's real start-up log, verbatim, with the lines around the table.
 USER_LOG = """\
 Batches per epoch: 46688 (min=2 max=64 avg=19.3)
   Bucket 0 [   0, 770):  2120 batches ( 4.5%)
