@@ -135,7 +135,7 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     return [python, *launcher, *train, "--topology", str(spec.topology)]
 
 
-COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile_cache)
+COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:

@@ -26,7 +26,7 @@ Groups (created in the same order on every rank, as torch.distributed requires):
     drafters_ctl  gloo over the drafter ranks: the per-step "stop now?" vote
 
 Every collective has the process-group timeout (``timeout_s``); point-to-point waits are
-polled against the same deadline (training.pipeline), so a dead or stuck rank ends the
+polled against the same deadline (training.run.pipeline), so a dead or stuck rank ends the
 job in bounded time with an ``error`` event naming the rank, its role and host.
 """
 

@@ -22,8 +22,8 @@ import torch
 
 from training.config import ConfigError, load_config
 from training.events import read_events, validate_event
-from training.pipeline import KIND_BATCH, Header, WorkItem, unpack
-from training.plan import best_split, predict_splits
+from training.run.pipeline import KIND_BATCH, Header, WorkItem, unpack
+from training.run.plan import best_split, predict_splits
 from training.topology import Topology, parse_topology, pin_visible_gpu, visible_gpu_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,7 +211,7 @@ def test_fleet_launches_torchrun_for_a_topology() -> None:
     assert runs.training_argv(replace(spec, topology=None), "/r")[1:3] == ["-m", "training"]
 
 
-# ---------------------------------------------------------------- real torchrun jobs
+# ---------------------------------------------------------------- real torchrun jobs (slow)
 def _env(cache: Path) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from training.drafter import DFlashDrafter, target_context
+from training.model.drafter import DFlashDrafter, target_context
 
 
 @dataclass(frozen=True)

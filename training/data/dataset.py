@@ -7,7 +7,7 @@ Two record shapes are accepted:
               and EOS; loss on the completion (and EOS) only.
 Tokenization runs through ``datasets.Dataset.map`` with its cache in the run's data cache
 folder, so a resumed run does not tokenize again. ``TrainData`` joins the tokenized set with
-the bucket planner (``training.buckets``) and assembles padded batches.
+the bucket planner (``training.data.buckets``) and assembles padded batches.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.buckets import EpochPlanner, Position
 from training.config import ConfigError, DataSection
-from training.corpus import build_default_corpus
+from training.data.buckets import EpochPlanner, Position
+from training.data.corpus import build_default_corpus
 
 
 @dataclass(frozen=True)

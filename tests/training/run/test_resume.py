@@ -13,7 +13,7 @@ import pytest
 
 from training.events import read_events, validate_event
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = [
     "--train.log_every=1",
     "--train.torch_threads=1",

@@ -10,8 +10,8 @@ from testkit import tiny_qwen3
 from torch import Tensor
 from transformers import Qwen3ForCausalLM
 
-from training.drafter import DFlashDrafter, DrafterConfig
-from training.eval import evaluate_acceptance
+from training.model.drafter import DFlashDrafter, DrafterConfig
+from training.run.eval import evaluate_acceptance
 
 torch.set_num_threads(2)
 
@@ -120,9 +120,9 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_eval_reads_the_same_hidden_states_the_trainer_trains_on() -> None:
-    """eval uses ``output_hidden_states``; the trainer uses training.target's hooks: same tensors."""
-    from training.drafter import target_context
-    from training.target import target_forward
+    """eval uses ``output_hidden_states``; the trainer uses training.model.target's hooks: same tensors."""
+    from training.model.drafter import target_context
+    from training.model.target import target_forward
 
     target, _ = markov_target()
     with torch.no_grad():

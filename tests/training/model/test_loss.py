@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.loss import block_loss, offset_weights, tau_from_accuracy
+from training.model.loss import block_loss, offset_weights, tau_from_accuracy
 
 torch.set_num_threads(2)
 

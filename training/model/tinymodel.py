@@ -1,7 +1,7 @@
 """The tiny default target: a small Qwen3-architecture model and a BPE tokenizer, built locally.
 
 Both are saved with ``save_pretrained`` into a cache folder and then loaded back by
-``training.target.load_target`` exactly as a real model folder would be: the tiny run
+``training.model.target.load_target`` exactly as a real model folder would be: the tiny run
 exercises the same loading code as the user's 27B job. Nothing is downloaded: the tokenizer
 is trained with ``tokenizers`` on the default corpus, the model is randomly initialised.
 The folder is built under a temporary name and renamed into place, so a killed build never
@@ -15,8 +15,13 @@ import os
 import shutil
 from pathlib import Path
 
-from training.config import ModelSection
-from training.corpus import build_default_corpus, iter_texts
+from training.config import DataSection, ModelSection
+from training.data.corpus import build_default_corpus, iter_texts
+
+# The tokenizer a ``random`` target without one borrows is the default tiny model's, trained on
+# this many default-corpus files: fixed, so such runs keep their token ids whatever data.* says.
+STAND_IN_TOKENIZER_FILES = 200
+_CORPUS = DataSection()  # the default corpus's chunking (data.corpus_chunk_lines / _prompt_lines)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -97,7 +102,7 @@ def qwen3_config(model: ModelSection, vocab_size: int, eos_token_id: int | None 
     )
 
 
-def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int = 200) -> Path:
+def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int) -> Path:
     """Build (once) the tiny model + tokenizer folder and return its path."""
     folder = cache_dir / f"tiny-qwen3-{tiny_key(model, corpus_files)}"
     if (folder / "config.json").is_file():
@@ -105,7 +110,12 @@ def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int = 2
     import torch
     from transformers import Qwen3ForCausalLM
 
-    corpus = build_default_corpus(cache_dir, corpus_files, chunk_lines=40, prompt_lines=8)
+    corpus = build_default_corpus(
+        cache_dir,
+        corpus_files,
+        chunk_lines=_CORPUS.corpus_chunk_lines,
+        prompt_lines=_CORPUS.corpus_prompt_lines,
+    )
     tokenizer = train_tokenizer(iter_texts(corpus), model.vocab_size)
     config = qwen3_config(model, len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     generator_state = torch.random.get_rng_state()
@@ -126,8 +136,3 @@ def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int = 2
             raise
         shutil.rmtree(tmp)
     return folder
-
-
-def tiny_tokenizer_dir(model: ModelSection, cache_dir: Path, corpus_files: int = 200) -> Path:
-    """The tokenizer folder of the tiny model (used by ``random`` targets that have none)."""
-    return build_tiny_model(model, cache_dir, corpus_files)

@@ -3,7 +3,7 @@
 Targets (ranks 0..N-1) read disjoint shards of the global batch order (target ``t`` takes
 global batches ``g`` with ``g % N == t``), run the frozen target forward (no grad; bf16 on
 GPU) and send hidden states + tokens + loss mask + lengths + anchors to drafters
-(training.pipeline). Drafters (ranks N..N+M-1) train with DDP over the drafter group; one
+(training.run.pipeline). Drafters (ranks N..N+M-1) train with DDP over the drafter group; one
 optimizer step consumes one batch per drafter, so ``train.steps`` steps use ``steps * M``
 global batches.
 
@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,22 +41,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from training import attention, compile_cache, warm
-from training.buckets import Position, format_bucket_table
-from training.checkpoint import (
-    check_resumable,
-    list_checkpoints,
-    load_latest,
-    remove_stale_temps,
-    restore_rng,
-    save_checkpoint,
-)
-from training.config import ConfigError, RunConfig, TrainingError, config_to_dict, load_config, write_config
-from training.corpus import default_cache_dir
-from training.data import Batch, TrainData, load_tokenized
-from training.drafter import sample_anchors
-from training.events import EventWriter
-from training.pipeline import (
+from training.compile import warm
+from training.compile.cache import CounterReporter
+from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
+from training.data.buckets import Position
+from training.data.dataset import Batch, TrainData
+from training.events import EventWriter, first_line
+from training.model.target import load_tokenizer, model_source, num_layers, target_forward
+from training.run import core
+from training.run.checkpoint import check_resumable, list_checkpoints
+from training.run.pipeline import (
     CREDIT,
     KIND_END,
     STOP_DONE,
@@ -73,7 +68,6 @@ from training.pipeline import (
     send_control,
     start_thread,
 )
-from training.target import check_vocab, load_model, load_tokenizer, model_source, num_layers, target_forward
 from training.topology import (
     STARTUP_TIMEOUT_S,
     DistContext,
@@ -82,23 +76,10 @@ from training.topology import (
     rank_config,
     shutdown,
 )
-from training.trainer import (
-    anchor_generator,
-    anchors_per_row,
-    build_drafter,
-    drafter_config,
-    drafter_step,
-    lr_lambda,
-)
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _compiled(config: RunConfig, device: torch.device) -> bool:
-    mode = config.compile.enabled
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _resume_step(run_dir: Path) -> int:
@@ -119,27 +100,37 @@ class Worker:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum
 
-    def prepare_shared(self) -> tuple[str, str, Any]:
-        """Model/tokenizer folders, the tokenizer and the tokenized data; rank 0 builds caches
-        first, then the rest."""
+    def prepare_shared(self) -> tuple[str, Any, TrainData]:
+        """The model folder, the tokenizer and the tokenized data; rank 0 builds caches first,
+        then the rest."""
         if self.ctx.rank != 0:
             self.barrier()
         folder, tok_dir = model_source(self.config)
         tokenizer = load_tokenizer(tok_dir)
-        tokenized = self._tokenized(tokenizer)  # drafters: for the shapes they will compile
+        data = core.load_train_data(
+            self.config, tokenizer, self.run_dir / core.DATA_CACHE
+        )  # drafters: their shapes
         if self.ctx.rank == 0:
             self.barrier()
-        return folder, tokenizer, tokenized
+        return folder, tokenizer, data
 
     def barrier(self) -> None:
         """Every rank here (startup group: its own long timeout; rank 0 names missing ranks)."""
         timeout = timedelta(seconds=max(self.timeout_s, STARTUP_TIMEOUT_S))
         dist.monitored_barrier(group=self.ctx.startup, timeout=timeout, wait_all_ranks=True)
 
-    def _tokenized(self, tokenizer: Any) -> Any:
-        cfg = self.config
-        cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else self.run_dir / "data-cache"
-        return load_tokenized(cfg.data, tokenizer, default_cache_dir(cfg.model.cache_dir), cache)
+    def ready(self, waiting_for: str) -> Iterator[Message]:
+        """The messages already in the inbox, without waiting; an error among them raises
+        ``RankLost`` naming the peer."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message.kind == "error":
+                self.inbox.put(message)
+                self.message(waiting_for)  # raises RankLost naming the peer
+            yield message
 
     def message(self, waiting_for: str, peer: int | None = None) -> Message:
         started = time.monotonic()
@@ -154,24 +145,15 @@ class TargetWorker(Worker):
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
         self.events.phase("load_data")
-        folder, self.tokenizer, tokenized = self.prepare_shared()
-        self.data = TrainData(tokenized, cfg.data)
+        folder, self.tokenizer, self.data = self.prepare_shared()
         if ctx.rank == 0:
-            self.events.phase("buckets")
-            table = self.data.planner.table()
-            _say(format_bucket_table(table))
-            self.events.emit("buckets", **table.event_fields())
+            core.announce_buckets(self.data, self.events, _say)
         self.events.phase("load_target")
-        started = time.monotonic()
-        self.events.emit("load_progress", what="target", done=0, total=1, seconds=0.0)
-        self.target = load_model(cfg, folder)
-        check_vocab(self.target, self.tokenizer)
-        seconds = time.monotonic() - started
-        self.events.emit("load_progress", what="target", done=1, total=1, seconds=seconds)
+        self.target, seconds = core.load_run_target(cfg, folder, self.tokenizer, self.events)
         _say(f"target {ctx.index} (rank {ctx.rank}) loaded on {ctx.device} in {seconds:.1f}s")
-        self.layer_ids = drafter_config(cfg).resolved_target_layers(num_layers(self.target))
+        self.layer_ids = core.drafter_config(cfg).resolved_target_layers(num_layers(self.target))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.pad_to_bucket = _compiled(cfg, ctx.device)
+        self.pad_to_bucket = core.compiles(cfg, ctx.device)
         self.cursor, self.position = 0, Position()  # global batch number -> its data position
         self.prefetched: dict[int, Batch] = {}
 
@@ -185,19 +167,12 @@ class TargetWorker(Worker):
 
     def produce(self, seq: int, next_seq: int | None) -> WorkItem:
         """Hidden states of batch ``seq``; the CPU work of ``next_seq`` overlaps the GPU forward."""
-        cfg, device = self.config, self.ctx.device
+        device = self.ctx.device
         batch = self.prefetched.pop(seq, None) or self._batch(seq)
         ids = batch.input_ids.to(device, non_blocking=True)
         mask = batch.loss_mask.to(device, non_blocking=True)
         hidden = target_forward(self.target, ids, self.layer_ids)  # queued on the GPU
-        generator = anchor_generator(cfg.train.seed, batch.position)
-        anchors = sample_anchors(
-            batch.loss_mask,
-            batch.lengths,
-            anchors_per_row(cfg, batch.loss_mask.shape[1]),
-            cfg.drafter.block_size,
-            generator,
-        ).to(device)
+        anchors = core.batch_anchors(self.config, batch.loss_mask, batch.lengths, batch.position).to(device)
         if next_seq is not None:
             self.prefetched = {next_seq: self._batch(next_seq)}
         if device.type == "cuda":
@@ -240,14 +215,7 @@ class TargetWorker(Worker):
                 stopped_by_signal |= message.value == STOP_SIGNAL
 
         while open_:
-            while True:
-                try:
-                    ready = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if ready.kind == "error":
-                    self.inbox.put(ready)
-                    self.message("peers")  # raises RankLost naming the peer
+            for ready in self.ready("peers"):
                 handle(ready)
             ready_ds = [d for d in sorted(open_) if credits[d] > 0]
             if fixed:
@@ -282,50 +250,37 @@ class DrafterWorker(Worker):
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
         self.events.phase("load_target")
-        folder, self.tokenizer, tokenized = self.prepare_shared()
-        planner = TrainData(tokenized, cfg.data).planner
-        target = load_model(cfg, folder)  # only its embedding and lm_head are kept
-        check_vocab(target, self.tokenizer)
+        folder, self.tokenizer, data = self.prepare_shared()
+        target, _ = core.load_run_target(cfg, folder, self.tokenizer, None)  # only embedding and lm_head kept
         self.events.phase("load_drafter")
-        drafter = build_drafter(cfg, target, ctx.device)
+        drafter = core.build_drafter(cfg, target, ctx.device)
         del target
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-        trainable = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=cfg.train.lr,
-            betas=(cfg.train.beta1, cfg.train.beta2),
-            weight_decay=cfg.train.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        )
-        self.compile_reporter: compile_cache.CounterReporter | None = None
-        if _compiled(cfg, ctx.device):
+        self.optimizer, self.scheduler = core.build_optimizer(cfg, drafter)
+        self.compile_reporter: CounterReporter | None = None
+        if core.compiles(cfg, ctx.device):
             self.events.phase("compile")
-            if ctx.device.type == "cpu":
-                attention.set_cpu_compile(True)
-            shapes = warm.num_compiled_shapes(planner)  # one per bucket (issue 7)
-            limit = warm.set_compile_guards(cfg, drafter, shapes)
-            self._lead(f"compile: on, recompile_limit={limit}")
-            self.compile_reporter = compile_cache.start(ctx.device, echo=self._lead)  # issue 7
+            self.compile_reporter = warm.prepare_compile(
+                cfg, drafter, data.planner, ctx.device, echo=self._lead
+            )
         self.step, self.last_tau = 0, 1.0
-        if ctx.index == 0:
-            remove_stale_temps(self.run_dir)
-        state = load_latest(self.run_dir, map_location=ctx.device)
-        if state is not None:
-            drafter.load_state_dict(state["drafter"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step, self.last_tau = int(state["step"]), float(state.get("tau", 1.0))
-            restore_rng(state)
-            self._lead(f"Resumed from {state['path']} at step {self.step}")
+        resumed = core.resume(
+            self.run_dir,
+            drafter,
+            self.optimizer,
+            self.scheduler,
+            map_location=ctx.device,
+            clean=ctx.index == 0,
+        )
+        if resumed is not None:
+            self.step, self.last_tau = resumed.step, resumed.tau
+            self._lead(f"Resumed from {resumed.path} at step {self.step}")
         self.drafter = drafter
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(drafter, device_ids=device_ids, process_group=ctx.drafters)
-        count = sum(p.numel() for p in trainable)
+        count = sum(p.numel() for p in core.trainable_parameters(drafter))
         self._lead(
             f"drafters: {ctx.topology.drafters} x {count / 1e6:.2f}M params (DDP), order={cfg.pipeline.order}"
         )
@@ -370,14 +325,7 @@ class DrafterWorker(Worker):
         if self.config.pipeline.order == "fixed":
             want = topo.target_ranks[(self.taken * topo.drafters + self.ctx.index) % topo.targets]
         while True:
-            while True:
-                try:
-                    message = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if message.kind == "error":
-                    self.inbox.put(message)
-                    self.message("targets")
+            for message in self.ready("targets"):
                 self._file(message)
             source = self._pick(want)
             if source is not None:
@@ -418,12 +366,11 @@ class DrafterWorker(Worker):
 
     # ------------------------------------------------------------ training
     def run(self) -> None:
-        cfg, ctx = self.config, self.ctx
+        cfg = self.config
         self._start_receivers()
         self.taken = self.step  # batches taken by this drafter (one per step)
         self.events.phase("train")
         self.balance.restart()
-        autocast = torch.bfloat16 if ctx.device.type == "cuda" else None
         ticket = self.acquire(block=True) if self.step < cfg.train.steps else None
         stopped = False
         last = time.monotonic()
@@ -431,7 +378,7 @@ class DrafterWorker(Worker):
             item = self.receive(ticket)
             ticket = self.acquire(block=False) if self.step + 1 < cfg.train.steps else None
             started = time.monotonic()
-            result = drafter_step(
+            result = core.drafter_step(
                 self.ddp,
                 self.optimizer,
                 self.scheduler,
@@ -440,7 +387,6 @@ class DrafterWorker(Worker):
                 item.hidden,
                 item.anchors,
                 grad_clip=cfg.train.grad_clip,
-                autocast_dtype=autocast,
                 always_backward=True,
             )
             tokens = int(item.lengths.sum())
@@ -498,50 +444,35 @@ class DrafterWorker(Worker):
         for thread in self.threads:
             thread.join(timeout=self.timeout_s)
 
-    def _log_step(self, result: Any, item: WorkItem, tokens_per_s: float) -> None:
-        cfg = self.config.train
-        device = self.ctx.device
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        self.events.emit(
-            "step",
+    def _log_step(self, result: core.StepResult, item: WorkItem, tokens_per_s: float) -> None:
+        core.report_step(
+            self.events,
+            result,
             step=self.step,
-            total_steps=cfg.steps,
+            total_steps=self.config.train.steps,
             epoch=item.epoch,
-            loss=result.loss,
-            acc=result.acc,
-            tau=result.tau,
-            lr=result.lr,
             tokens_per_s=tokens_per_s,
-            grad_norm=result.grad_norm,
-            mem_gib=mem,
+            device=self.ctx.device,
+            echo=self._lead,
+            note=f" (drafter 0, batch {item.seq})",
             batch=item.seq,  # extras (training/EVENTS.md allows them): what this step trained on
-            tokens=int(item.lengths.sum()),
-            sequences=int(item.input_ids.shape[0]),
-            padded_length=int(item.input_ids.shape[1]),
-        )
-        self._lead(
-            f"step {self.step}/{cfg.steps} epoch {item.epoch} loss {result.loss:.4f} tau {result.tau:.3f} "
-            f"lr {result.lr:.2e} gnorm {result.grad_norm:.2f} tok/s {tokens_per_s:.0f} "
-            f"(drafter 0, batch {item.seq})"
+            **core.batch_shape(item.input_ids, item.lengths),
         )
 
     def checkpoint(self) -> None:
         if self.ctx.index != 0:
             return
-        self.events.phase("checkpoint")
-        state = {
-            "drafter": self.drafter.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "position": (0, 0),  # the data restarts at global batch step * M (module docstring)
-            "global_batches": self.step * self.ctx.topology.drafters,
-            "topology": str(self.ctx.topology),
-            "tau": self.last_tau,
-            "config": config_to_dict(self.config),
-        }
-        saved = save_checkpoint(self.run_dir, self.step, state, self.config.checkpoint.keep)
-        self.events.emit("checkpoint", step=saved.step, path=str(saved.path), seconds=saved.seconds)
-        _say(f"checkpoint step {saved.step} -> {saved.path} ({saved.seconds:.2f}s)")
+        state = core.checkpoint_state(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            position=Position(),  # the data restarts at global batch step * M (module docstring)
+            tau=self.last_tau,
+            config=self.config,
+            global_batches=self.step * self.ctx.topology.drafters,
+            topology=str(self.ctx.topology),
+        )
+        core.write_checkpoint(self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, _say)
 
 
 def _check_pipeline(config: RunConfig) -> None:
@@ -561,16 +492,14 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
     check_resumable(config, run_dir)  # every rank, before the rendezvous (rank 0 writes config.json after it)
     ctx = init_distributed(topology, config, config.pipeline.timeout_s)
     config = rank_config(config, ctx.device)
-    if config.train.torch_threads > 0:
-        torch.set_num_threads(config.train.torch_threads)
+    core.set_threads(config)
     events = EventWriter(run_dir, rank=ctx.rank, role=ctx.role)
     if ctx.rank == 0:
         write_config(config, run_dir)
-    events.emit(
-        "run_start",
-        config=config.name,
-        run_dir=str(run_dir),
-        pid=os.getpid(),
+    core.emit_run_start(
+        events,
+        config,
+        run_dir,
         host=ctx.me.host,
         world_size=topology.world_size,
         device=ctx.me.device,  # "cuda:0 = GPU 5": what this rank sees, and which GPU it is
@@ -586,16 +515,13 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
         worker.run()
     except BaseException as exc:  # every failure: one error event naming this rank (and the peer)
         code = exc.exit_code if isinstance(exc, TrainingError) else 1
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        message = f"{ctx.me.describe()}: {first}"
-        tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
+        message = f"{ctx.me.describe()}: {first_line(exc) or type(exc).__name__}"
         peer = getattr(exc, "peer", None)
         extra = {}
         if isinstance(peer, int) and 0 <= peer < len(ctx.peers):  # who was lost: for fab status
             lost = ctx.peers[peer]
             extra = {"peer_rank": lost.rank, "peer_role": lost.role, "peer_host": lost.host}
-        events.emit("error", type=type(exc).__name__, message=message, traceback_tail=tail, **extra)
-        events.phase("error")
+        events.error(exc, message, **extra)
         events.close()
         print(f"error: {message}", file=sys.stderr, flush=True)
         if not isinstance(exc, TrainingError):

@@ -133,7 +133,7 @@ def unpack(header: Header, meta: torch.Tensor, hidden: torch.Tensor) -> WorkItem
     )
 
 
-def send_item(item: WorkItem, dst: int, ctl: Any, data: Any, timeout_s: float = 600.0) -> None:
+def send_item(item: WorkItem, dst: int, ctl: Any, data: Any, timeout_s: float) -> None:
     """Header on ``ctl``, then meta and hidden on ``data``; returns once they were handed over.
 
     NCCL: the sends are polled (``is_completed``), never ``wait()``-ed: ``wait`` would make

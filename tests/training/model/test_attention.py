@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-from training import attention as A
+from training.model import attention as A
 
 torch.set_num_threads(2)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import (
+from training.run.checkpoint import (
     checkpoint_dir,
     list_checkpoints,
     load_latest,
@@ -69,8 +69,8 @@ def test_resume_mismatches_name_only_what_a_checkpoint_depends_on() -> None:
 
 
 def test_a_run_dir_without_checkpoints_takes_any_config(tmp_path: Path) -> None:
-    from training.checkpoint import check_resumable
     from training.config import ConfigError, load_config, write_config
+    from training.run.checkpoint import check_resumable
 
     write_config(load_config("tiny-cpu"), tmp_path)
     check_resumable(load_config("tiny-cpu", ["--drafter.num_layers=3"]), tmp_path)  # no checkpoint yet

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from training.config import ConfigError, ModelSection, load_config
-from training.drafter import select_target_layers, target_context
-from training.target import build_random_target, load_target, model_source, target_forward
-from training.tinymodel import qwen3_config
+from training.model.drafter import select_target_layers, target_context
+from training.model.target import build_random_target, load_target, model_source, target_forward
+from training.model.tinymodel import qwen3_config
 
 SMALL = ModelSection(
     hidden_size=32,

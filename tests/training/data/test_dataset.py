@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from training.buckets import Position
 from training.config import ConfigError, DataSection
-from training.corpus import build_default_corpus, chunk_file
-from training.data import TrainData, load_tokenized, tokenize_chat, tokenize_completion, tokenize_record
-from training.tinymodel import train_tokenizer
+from training.data.buckets import Position
+from training.data.corpus import build_default_corpus, chunk_file
+from training.data.dataset import (
+    TrainData,
+    load_tokenized,
+    tokenize_chat,
+    tokenize_completion,
+    tokenize_record,
+)
+from training.model.tinymodel import train_tokenizer
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, ModelSection, RunConfig
-from training.corpus import default_cache_dir
+from training.data.corpus import default_cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +94,7 @@ def build_random_target(model_cfg: ModelSection, device: torch.device, dtype: to
     """A causal LM of ``model_cfg``'s shape with random weights, built directly on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    from training.tinymodel import qwen3_config
+    from training.model.tinymodel import qwen3_config
 
     config = qwen3_config(model_cfg, model_cfg.vocab_size)
     with torch.device("meta"):
@@ -132,14 +132,16 @@ def model_source(config: RunConfig) -> tuple[str, str]:
     ``tiny`` builds its folder once (model + tokenizer, saved with save_pretrained) and then
     is loaded like any other folder.
     """
-    from training.tinymodel import build_tiny_model
+    from training.model.tinymodel import STAND_IN_TOKENIZER_FILES, build_tiny_model
 
     cache_dir = default_cache_dir(config.model.cache_dir)
     if config.model.kind == "tiny":
         folder = str(build_tiny_model(config.model, cache_dir, config.data.corpus_files))
         return folder, config.model.tokenizer_path or folder
     if config.model.kind == "random":
-        return "", config.model.tokenizer_path or str(build_tiny_model(ModelSection(), cache_dir))
+        if config.model.tokenizer_path:
+            return "", config.model.tokenizer_path
+        return "", str(build_tiny_model(ModelSection(), cache_dir, STAND_IN_TOKENIZER_FILES))
     folder = Path(config.model.path).expanduser()
     if not (folder / "config.json").is_file():
         what = "does not exist" if not folder.exists() else "has no config.json (not an HF model folder)"

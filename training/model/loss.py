@@ -53,7 +53,7 @@ def tau_from_accuracy(acc: Tensor | list[float]) -> float:
 
     ``tau = 1 + sum_{k=1}^{B-1} prod_{j<=k} acc_j``: a round accepts draft k only when
     drafts 1..k all match (treating offsets as independent), and every round yields one
-    bonus token from the target. Range [1, B], the same scale as ``eval.py``'s real tau.
+    bonus token from the target. Range [1, B], the same scale as the real tau of ``training.run.eval``.
     """
     values = [float(x) for x in (acc.tolist() if isinstance(acc, Tensor) else acc)]
     total, run = 1.0, 1.0

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from training.buckets import parse_bucket_table
+from training.data.buckets import parse_bucket_table
 from training.events import read_events, validate_event
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.slow
 

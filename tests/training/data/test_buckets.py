@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from training.buckets import (
+from training.data.buckets import (
     Bucket,
     BucketTable,
     EpochPlanner,

@@ -7,10 +7,10 @@ trainer does, then runs one optimizer-free training step (forward + backward und
 trainer's autocast) for every distinct compiled shape, serially, printing progress per
 shape: on GPU that is ``create_block_mask`` + ``flex_attention`` forward and backward with
 the run's BlockMask for every (bucket, batch size) x mask variant; on CPU, where torch 2.13
-has no flex backward, the compiled blockwise attention (``training.attention``). The chunked
+has no flex backward, the compiled blockwise attention (``training.model.attention``). The chunked
 loss runs too (it is not compiled: its chunk length depends on the batch's labels). Then
 the Mega-Cache blob (``torch.compiler.save_cache_artifacts``) and ``manifest.json`` (with
-``complete: true``) are written into ``ROOT/<key>/`` (``training.compile_cache``).
+``complete: true``) are written into ``ROOT/<key>/`` (``training.compile.cache``).
 
 Shapes: the trainer pads each batch to its bucket's length, and a bucket's batches hold
 ``min(max_batch_size, token_budget // length)`` sequences except the bucket's last batch,
@@ -23,9 +23,11 @@ random hidden states feeds the drafter (the compiled graphs depend on shapes and
 only), so warming takes seconds to load instead of minutes and needs one GPU's memory for
 the drafter alone.
 
-``prepare_trainer`` is the trainer's hook: it activates the cache before the first compile
-and, with ``compile.fail_on_recompile = true``, pre-warms every shape in-process (serially,
-before any thread starts) and then sets ``torch.compiler.set_stance("fail_on_recompile")``.
+``prepare_compile`` is what every training process that compiles runs before its first
+step (the single trainer and the drafter ranks): the recompile guards, then the cache
+activated before the first compile and, when asked to (the single trainer with
+``compile.fail_on_recompile = true``), every shape pre-warmed in-process (serially, before any
+thread starts) and then ``torch.compiler.set_stance("fail_on_recompile")``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from training import attention
-from training.compile_cache import (
+from training.compile.cache import (
     CacheDir,
     CounterReporter,
     Manifest,
@@ -57,11 +58,12 @@ from training.compile_cache import (
     triton_version,
 )
 from training.config import ConfigError, RunConfig, config_to_dict, load_config
-from training.drafter import DFlashDrafter, sample_anchors
+from training.model import attention
+from training.model.drafter import DFlashDrafter, sample_anchors
+from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
 
 if TYPE_CHECKING:
-    from training.buckets import EpochPlanner
-    from training.trainer import Trainer
+    from training.data.buckets import EpochPlanner
 
 Echo = Callable[[str], None]
 SHAPE_SECTIONS = ("model", "drafter", "data", "compile")  # what the compiled shapes depend on
@@ -89,12 +91,6 @@ def config_hash(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def compiles(config: RunConfig, device: torch.device) -> bool:
-    """The trainer's rule: compile.enabled on, or auto on a GPU."""
-    mode = config.compile.enabled
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
 class StandInTarget(nn.Module):
     """The target's config, embedding and lm_head shapes with random weights (no decoder)."""
 
@@ -119,7 +115,7 @@ class StandInTarget(nn.Module):
 def target_config(config: RunConfig, folder: str) -> Any:
     """The target's HF config without loading weights."""
     if config.model.kind == "random":
-        from training.tinymodel import qwen3_config
+        from training.model.tinymodel import qwen3_config
 
         return qwen3_config(config.model, config.model.vocab_size)
     from transformers import AutoConfig
@@ -135,9 +131,9 @@ def warm_step(
     hidden_dtype: torch.dtype,
     generator: torch.Generator,
 ) -> int:
-    """One optimizer-free training step of ``shape`` (random tokens, full-length rows);
-    gradients are dropped afterwards. Autocast as in ``trainer.drafter_step``. Returns the
-    labelled tokens."""
+    """One optimizer-free training step of ``shape`` (random tokens, full-length rows): the
+    training forward of ``core.drafter_step`` and its backward; gradients are dropped
+    afterwards. Returns the labelled tokens."""
     cfg = drafter.cfg
     vocab = drafter.embed_tokens.weight.shape[0]
     b, t = shape.batch_size, shape.length
@@ -146,10 +142,7 @@ def warm_step(
     lengths = torch.full((b,), t, dtype=torch.long)
     hidden = torch.empty(b, t, drafter.fc.in_features, device=device, dtype=hidden_dtype).normal_()
     anchors = sample_anchors(mask, lengths, cfg.anchors_for(t), cfg.block_size, generator)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    drafter.train()
-    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-        out = drafter(ids, hidden, mask, anchors)
+    out = train_forward(drafter, ids, mask, hidden, anchors)
     if out.num_tokens > 0:
         out.loss.backward()
     drafter.zero_grad(set_to_none=True)
@@ -203,16 +196,12 @@ def run_warm(
     config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = _echo
 ) -> Manifest | None:
     """Warm ``root/<key>`` for ``config``; None when the config does not compile on this device."""
-    from training.buckets import format_bucket_table
-    from training.corpus import default_cache_dir
-    from training.data import TrainData, load_tokenized
-    from training.target import load_tokenizer, model_source, resolve_device, resolve_dtype
-    from training.trainer import build_drafter
+    from training.data.buckets import format_bucket_table
+    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
 
     started = time.monotonic()
     device = resolve_device(config.model.device)
-    if config.train.torch_threads > 0:
-        torch.set_num_threads(config.train.torch_threads)
+    set_threads(config)
     if not compiles(config, device):
         echo(f"warm: compile.enabled={config.compile.enabled} does not compile on {device}: nothing to warm")
         return None
@@ -231,10 +220,7 @@ def run_warm(
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    tokenizer = load_tokenizer(tok_dir)
-    data_cache = Path(config.data.cache_dir).expanduser() if config.data.cache_dir else root / ".data-cache"
-    tokenized = load_tokenized(config.data, tokenizer, default_cache_dir(config.model.cache_dir), data_cache)
-    planner = TrainData(tokenized, config.data).planner
+    planner = load_train_data(config, load_tokenizer(tok_dir), root / ".data-cache").planner
     echo(format_bucket_table(planner.table()))
     dtype = resolve_dtype(config.model.dtype, device)
     drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
@@ -271,29 +257,31 @@ def run_warm(
     return manifest
 
 
-def prepare_trainer(trainer: Trainer) -> CounterReporter:
-    """The trainer's compile hook (after ``configure_compile``): activate the cache of
-    ``$FLEET_COMPILE_CACHE`` (blob loaded when warmed) and, with ``compile.fail_on_recompile``,
-    pre-warm every shape here, then forbid recompiles. Returns the ``compile_cache`` reporter."""
-    from training.events import print0
-
-    reporter = start(trainer.device, echo=print0)
-    if trainer.config.compile.fail_on_recompile and not trainer.eval_only:
-        planner = trainer.data.planner
-        dtype = trainer.target.get_input_embeddings().weight.dtype
+def prepare_compile(
+    config: RunConfig,
+    drafter: DFlashDrafter,
+    planner: EpochPlanner,
+    device: torch.device,
+    *,
+    echo: Echo,
+    prewarm_dtype: torch.dtype | None = None,
+) -> CounterReporter:
+    """Before a training process's first compiled step: CPU compile switched on where needed,
+    the recompile guards for the run's shapes, the cache of ``$FLEET_COMPILE_CACHE`` activated
+    (blob loaded when warmed) and, given ``prewarm_dtype`` (the target's hidden-state dtype) and
+    ``compile.fail_on_recompile``, every shape pre-warmed here, then recompiles forbidden.
+    Returns the ``compile_cache`` reporter to call after every step."""
+    if device.type == "cpu":
+        attention.set_cpu_compile(True)
+    num_shapes = num_compiled_shapes(planner)  # (bucket, batch size) shapes
+    limit = set_compile_guards(config, drafter, num_shapes)
+    echo(f"compile: on, recompile_limit={limit} (fail_on_recompile_limit_hit) for {num_shapes} shapes")
+    reporter = start(device, echo=echo)
+    if config.compile.fail_on_recompile and prewarm_dtype is not None:
         shapes = compile_shapes(planner)
-        prewarm(
-            trainer.drafter,
-            shapes,
-            planner.boundaries,
-            device=trainer.device,
-            hidden_dtype=dtype,
-            echo=print0,
-        )
+        prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=prewarm_dtype, echo=echo)
         torch.compiler.set_stance("fail_on_recompile")
-        print0(
-            f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)"
-        )
+        echo(f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)")
     return reporter
 
 
@@ -318,7 +306,7 @@ __all__ = [
     "compile_shapes",
     "config_hash",
     "num_compiled_shapes",
-    "prepare_trainer",
+    "prepare_compile",
     "prewarm",
     "run_warm",
     "set_compile_guards",

@@ -7,7 +7,7 @@ import torch
 from testkit import tiny_qwen3
 from transformers import Qwen3ForCausalLM
 
-from training.drafter import (
+from training.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
     block_labels,
@@ -221,8 +221,21 @@ def test_anchor_count_keeps_the_anchor_density_of_a_max_length_row() -> None:
 
 def test_the_run_config_scales_anchors_with_the_buckets_length() -> None:
     from training.config import load_config
-    from training.trainer import anchors_per_row, drafter_config
+    from training.run.core import anchors_per_row, drafter_config
 
     config = load_config("qwen3-8b-h200", [])
     assert drafter_config(config).anchor_length == config.data.max_length == 4096
     assert anchors_per_row(config, 1344) == 168 and anchors_per_row(config, 4096) == 512
+
+
+def test_drafter_config_defaults_are_the_run_configs() -> None:
+    """One default per value: the fields DrafterConfig shares with [drafter] default to its values."""
+    from dataclasses import fields
+
+    from training.config import DrafterSection
+
+    shared = {f.name for f in fields(DrafterConfig)} & {f.name for f in fields(DrafterSection)}
+    assert {"loss_chunk_size", "num_anchors", "block_size", "num_target_layers"} <= shared
+    section, config = DrafterSection(), DrafterConfig()
+    assert {n: getattr(config, n) for n in shared} == {n: getattr(section, n) for n in shared}
+    assert len(select_target_layers(36)) == section.num_target_layers

@@ -103,9 +103,9 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
     import torch
 
     from training.config import load_config
-    from training.drafter import sample_anchors
-    from training.target import target_forward
-    from training.trainer import Trainer, anchor_generator, anchors_per_row, drafter_step
+    from training.model.target import target_forward
+    from training.run.core import batch_anchors
+    from training.run.single import Trainer
 
     config = load_config(config_name, overrides)
     scratch = Path(tempfile.mkdtemp(prefix="fleet-plan-"))
@@ -118,7 +118,6 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        autocast = torch.bfloat16 if device.type == "cuda" else None
         t_target = t_drafter = 0.0
         tokens = measured = 0
         # Warm-up covers every length bucket (each is its own compiled shape), then measure.
@@ -137,23 +136,10 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
             hidden = target_forward(trainer.target, ids, trainer.layer_ids)
             sync()
             t1 = time.perf_counter()
-            gen = anchor_generator(config.train.seed, batch.position)
-            anchors = sample_anchors(
-                mask, batch.lengths, anchors_per_row(config, mask.shape[1]), config.drafter.block_size, gen
-            )
+            anchors = batch_anchors(config, mask, batch.lengths, batch.position)
             sync()
             t2 = time.perf_counter()
-            drafter_step(
-                trainer.drafter,
-                trainer.optimizer,
-                trainer.scheduler,
-                ids,
-                mask,
-                hidden,
-                anchors,
-                grad_clip=config.train.grad_clip,
-                autocast_dtype=autocast,
-            )
+            trainer.drafter_step(ids, mask, hidden, anchors)
             sync()
             t3 = time.perf_counter()
             if not warming:

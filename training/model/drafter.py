@@ -16,7 +16,7 @@ Interface (the contract with the trainer; keep it):
     DFlashDrafter.variants() -> the attention windows in use (None = full): pass
       len(variants()) to attention.configure_compile(num_buckets, variants)
 
-Additions to the brief's interface (nothing removed or renamed): DrafterConfig also has
+Beyond that interface: DrafterConfig also has
 ``num_target_layers`` / ``target_layer_ids`` (which target layers; () = DFlash's rule),
 ``flex_tile`` and ``attention_backend`` ("auto" = flex on CUDA, blockwise on CPU: torch
 2.13 has no flex backward on CPU); DraftOutput also has ``correct_per_offset`` and
@@ -32,10 +32,10 @@ reserved, so any tokenizer works). The blocks pass N decoder layers (RMSNorm, GQ
 with per-head q/k RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the
 target's hidden size and head layout. Each layer's queries come from the block tokens; its
 keys/values from [fused context ; block tokens] through the layer's own k/v projections
-(the context is not updated across layers). Visibility: ``training/attention.py``. RoPE
+(the context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
 positions: context ``j`` -> ``j``; block offset ``i`` of anchor ``a`` -> ``a + i``. A final
 RMSNorm, then the target's frozen lm_head; offset ``i >= 1`` predicts the token at ``a + i``
-(loss: ``training/loss.py``).
+(loss: ``training/model/loss.py``).
 
 Layers listed in ``cfg.full_attention_layers`` see all context before the anchor; the others
 see the last ``cfg.sliding_window`` context tokens before it.
@@ -56,25 +56,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training import attention
-from training.loss import block_loss, tau_from_accuracy
+from training.config import DrafterSection
+from training.model import attention
+from training.model.loss import block_loss, tau_from_accuracy
+
+_RUN = DrafterSection()  # the run config's defaults: one default per value
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Drafter hyper-parameters (DFlash defaults)."""
+    """Drafter hyper-parameters (DFlash defaults). The fields the run config's [drafter] section
+    has take their defaults from it (``training.config.DrafterSection``)."""
 
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    sliding_window: int = 2048  # tokens of context before the anchor (sliding layers)
-    full_attention_layers: tuple[int, ...] = (4,)  # the others slide; default: the last layer is full
-    gamma: float = 7.0  # loss weight exp(-(k-1)/gamma) for block offset k
-    loss_chunk_size: int = 4096  # positions per lm_head+CE chunk
+    num_layers: int = _RUN.num_layers
+    block_size: int = _RUN.block_size
+    num_anchors: int = _RUN.num_anchors
+    sliding_window: int = _RUN.sliding_window  # tokens of context before the anchor (sliding layers)
+    full_attention_layers: tuple[int, ...] = _RUN.full_attention_layers  # the others slide
+    gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
+    loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    num_target_layers: int = 5  # n: target hidden states fused (when target_layer_ids is empty)
-    target_layer_ids: tuple[int, ...] = ()  # explicit target layers; () = select_target_layers(L, n)
+    num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
+    target_layer_ids: tuple[int, ...] = _RUN.target_layer_ids  # explicit layers; () = select_target_layers
     flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
     attention_backend: str = "auto"  # auto (flex on CUDA, blockwise on CPU) | flex | blockwise | dense
     # The sequence length num_anchors is meant for (the data's max_length; 0 = every length).
@@ -137,7 +141,7 @@ class DraftOutput:
     count_per_offset: Tensor  # [B-1] long
 
 
-def select_target_layers(num_hidden_layers: int, n: int = 5) -> list[int]:
+def select_target_layers(num_hidden_layers: int, n: int = _RUN.num_target_layers) -> list[int]:
     """DFlash's rule: ``n`` layer ids spread evenly over the target's depth.
 
     ``round(1 + i * (L - 4) / (n - 1))`` for i = 0..n-1: from layer 1 to layer L-3 (the

@@ -288,7 +288,7 @@ def make_attend(
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend == "auto" and anchors.device.type == "cpu" and _CPU_COMPILE["enabled"]:
-        # CPU training with compile on (issue 7): flex has no CPU backward, so compile blockwise.
+        # CPU training with compile on: flex has no CPU backward, so compile blockwise.
         blockwise = _compiled_blockwise()
         return lambda q, k, v: blockwise(q, k, v, anchors, context_len, block_size, window)
     if backend == "auto":
