@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from training.config import ModelSection
-from training.corpus import build_default_corpus, iter_texts
+from training.corpus import CORPUS_SHA256, build_default_corpus, iter_texts
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -45,7 +45,8 @@ def tiny_key(model: ModelSection, corpus_files: int) -> str:
             model.seed,
             model.initializer_range,
             corpus_files,
-            "v1",
+            CORPUS_SHA256,
+            "v2",
         )
     )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
