@@ -184,3 +184,59 @@ def test_controller_on_another_python(version: str, tmp_path: Path) -> None:
     )
     assert status.returncode == 0, status.stderr
     assert "phase done" in status.stdout and "step        4/4" in status.stdout, status.stdout
+
+
+def _pip() -> list[str]:
+    """A pip of this machine to fill the wheel directory with (the dev venv has none)."""
+    for python in (shutil.which("python3"), "/usr/bin/python3"):
+        if python and subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+            return [python, "-m", "pip"]
+    pytest.skip("no pip on this machine to download the wheel directory with")
+
+
+@pytest.mark.slow
+def test_bootstrap_from_a_wheel_directory_needs_no_network(tmp_path: Path) -> None:
+    """FLEET_WHEELS=DIR: the lock's own files (README, Offline), checked against its hashes; with
+    an empty uv cache and every download refused, the controller venv is exactly the lock."""
+    repo = _checkout_copy(tmp_path / "repo")
+    wheels, req = tmp_path / "wheels", tmp_path / "req.txt"
+    uv = str(REPO / ".venv" / "bin" / "uv")
+    subprocess.run(
+        [
+            uv,
+            "export",
+            "--locked",
+            "--quiet",
+            "--format",
+            "requirements-txt",
+            "--no-emit-project",
+            "-o",
+            str(req),
+        ],
+        cwd=REPO,
+        check=True,
+    )
+    download = [*_pip(), "download", "--quiet", "--only-binary", ":all:", "--dest", str(wheels)]
+    subprocess.run([*download, "--no-deps", "--require-hashes", "-r", str(req)], check=True, timeout=600)
+    subprocess.run([*download, "hatchling", "editables"], check=True, timeout=600)  # builds the project
+
+    refused = "http://127.0.0.1:9"  # the discard port: any download fails at once
+    env = {"PATH": BARE_PATH, "HOME": str(tmp_path), "LANG": "C.UTF-8", "FLEET_WHEELS": str(wheels)}
+    env.update(
+        HTTPS_PROXY=refused, HTTP_PROXY=refused, PIP_CONFIG_FILE="/dev/null", PYTHON="/usr/bin/python3"
+    )
+    env["UV_CACHE_DIR"] = str(tmp_path / "uv-cache")
+    done = subprocess.run(["./bootstrap"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"installing uv==0.13.9 from {wheels}" in done.stderr
+    check = subprocess.run(
+        [str(repo / ".venv/bin/uv"), "sync", "--locked", "--check", "--offline"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert check.returncode == 0, check.stderr  # the venv is what uv.lock says, nothing more or less
+    listed = subprocess.run([str(repo / ".venv/bin/fab"), "--list"], cwd=repo, env=env, capture_output=True)
+    assert listed.returncode == 0
