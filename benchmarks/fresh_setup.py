@@ -95,9 +95,8 @@ def one_round(mode: str, pytest_args: str, cold_dir: Path) -> dict:
         dev, dev_s = freshct.timed(ct, "cd /root/fleet && ./bootstrap --dev", timeout=3600)
         if dev.returncode != 0:
             raise RuntimeError(f"./bootstrap --dev failed: {dev.stderr[-2000:]}")
-        tests, tests_s = freshct.timed(
-            ct, f"cd /root/fleet && .venv/bin/python -m pytest -q -p no:cacheprovider {pytest_args}", timeout=7200
-        )
+        pytest = f"cd /root/fleet && .venv/bin/python -m pytest -q -p no:cacheprovider {pytest_args}"
+        tests, tests_s = freshct.timed(ct, pytest, timeout=7200)
         disk2 = {"venv": ct.du_bytes("/root/fleet/.venv")}
         if mode == "cold":
             disk2["uv_cache"] = ct.du_bytes(freshct.CT_UV_CACHE) - cache_before
