@@ -56,7 +56,7 @@ def run_end(ct: freshct.FreshContainer, limit_s: float = 3600) -> dict:
         res = ct.sh("cd /root/fleet && .venv/bin/fab status --json")
         if res.stdout.strip().startswith("{"):
             status = json.loads(res.stdout)
-            if status.get("state") in ("finished", "stopped", "failed"):
+            if status.get("state") in ("finished", "stopped", "failed") and not status.get("alive"):
                 return status
         time.sleep(5)
     raise TimeoutError(f"the tiny run did not end within {limit_s} s")

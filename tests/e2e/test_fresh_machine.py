@@ -118,7 +118,7 @@ def _wait_for_run_end(ct: freshct.FreshContainer) -> dict:
     while True:
         res = ct.sh("cd /root/fleet && .venv/bin/fab status --json")
         status = json.loads(res.stdout) if res.stdout.strip().startswith("{") else {"raw": res.stderr}
-        if status.get("state") in ("finished", "stopped", "failed"):
+        if status.get("state") in ("finished", "stopped", "failed") and not status.get("alive"):
             return status
         if time.monotonic() > deadline:
             pytest.fail(f"the tiny run did not end within {RUN_END_S} s: {status}")
