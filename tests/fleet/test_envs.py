@@ -240,7 +240,8 @@ def _py(path: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _uv_pip(python: str, *args: str) -> None:
-    subprocess.run([UV, "pip", "install", "-q", "--python", python, *args], check=True)  # type: ignore[list-item]
+    env = {**os.environ, "UV_SYSTEM_CERTS": "1"}  # as fleet's own uv calls: the machine's CA store
+    subprocess.run([UV, "pip", "install", "-q", "--python", python, *args], check=True, env=env)  # type: ignore[list-item]
 
 
 @needs_uv
