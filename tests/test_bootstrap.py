@@ -240,3 +240,40 @@ def test_bootstrap_from_a_wheel_directory_needs_no_network(tmp_path: Path) -> No
     assert check.returncode == 0, check.stderr  # the venv is what uv.lock says, nothing more or less
     listed = subprocess.run([str(repo / ".venv/bin/fab"), "--list"], cwd=repo, env=env, capture_output=True)
     assert listed.returncode == 0
+
+
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+def test_the_local_cpu_env_installs_on_other_pythons(version: str, tmp_path: Path) -> None:
+    """envs/local-cpu's lock has torch and every other wheel for CPython 3.12 and 3.13 too (a dry
+    run of the exact `uv sync --locked` fleet runs on a target, with that interpreter)."""
+    python = require_other_pythons()[version]
+    uv = str(REPO / ".venv" / "bin" / "uv")
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv"), "UV_NO_CONFIG": "1"}
+    done = subprocess.run(
+        [uv, "sync", "--locked", "--dry-run", "--no-install-project", "--python", python],
+        cwd=REPO / "envs" / "local-cpu",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert " + torch==2.13.0" in done.stderr and "Would install" in done.stderr
+
+
+def test_bootstrap_without_network_is_one_line(tmp_path: Path) -> None:
+    """uv on PATH, an empty uv cache, every download refused: one line with the cause and the fix."""
+    repo = _checkout_copy(tmp_path / "repo")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "uv").symlink_to(REPO / ".venv" / "bin" / "uv")
+    refused = "http://127.0.0.1:9"
+    env = {"PATH": f"{bin_dir}:{BARE_PATH}", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    env.update(HTTPS_PROXY=refused, UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_HTTP_RETRIES="0")
+    done = subprocess.run(["./bootstrap"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bootstrap: installing"), lines
+    assert "uv could not download the controller's packages from PyPI" in lines[1]
+    assert "Connection refused" in lines[1] and "FLEET_WHEELS=DIR" in lines[1]

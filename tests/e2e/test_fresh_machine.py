@@ -6,7 +6,8 @@ exactly what a new user types: `./bootstrap && .venv/bin/fab deploy train`, whic
 default to the end, and the README's test command restricted to the fast tier. Before the
 prerequisites, `./bootstrap` on the bare image (python3 without venv or pip) must say in one line
 what to install. The host's uv cache is shared with the container: torch is downloaded once per
-machine (benchmarks/fresh_setup.py measures the cold case).
+machine (benchmarks/fresh_setup.py measures the cold case). Last, with python3-pip instead of
+python3-venv, `./bootstrap` installs uv into .venv through the system pip, never into the system.
 """
 
 from __future__ import annotations
@@ -103,6 +104,24 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
     topology = ct.sh(f"cd /root/fleet && {TOPOLOGY}", timeout=900)
     assert topology.returncode == 0, topology.stderr[-3000:]
     assert "cannot be retrieved" not in topology.stderr
+
+    # 4. pip without ensurepip (python3-pip, no python3-venv) on a PEP 668 Python: uv goes into
+    # .venv through the system pip, nothing into the system Python.
+    swap = ct.sh(
+        "apt-get remove -y -qq python3-venv python3.11-venv && "
+        "apt-get install -y -qq --no-install-recommends python3-pip",
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        timeout=900,
+    )
+    assert swap.returncode == 0, swap.stderr[-3000:]
+    assert ct.path("/usr/lib/python3.11/EXTERNALLY-MANAGED").exists()
+    assert ct.sh("python3 -c 'import ensurepip'").returncode != 0
+    with_pip = ct.sh("cd /root/bare && ./bootstrap")
+    assert with_pip.returncode == 0, with_pip.stderr
+    assert "uv not found: installing uv==" in with_pip.stderr and len(with_pip.stderr.splitlines()) == 3
+    assert ct.path("/root/bare/.venv/bin/uv").exists()
+    system = ct.sh("python3 -m pip list --format=freeze")
+    assert system.returncode == 0 and not any(line.startswith("uv==") for line in system.stdout.splitlines())
 
 
 def _export_head(dest: Path) -> None:
