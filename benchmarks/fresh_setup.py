@@ -77,6 +77,7 @@ def one_round(mode: str, pytest_args: str, cold_dir: Path) -> dict:
         if apt.returncode != 0:
             raise RuntimeError(f"apt-get failed: {apt.stderr[-2000:]}")
         ct.sh("cd /root && git clone -q fleet.git fleet", check=True)
+        cloned = ct.sh("git -C /root/fleet rev-parse --short HEAD", check=True).stdout.strip()
         cache_before = ct.du_bytes(freshct.CT_UV_CACHE) if mode == "cold" else 0
         started = time.monotonic()
         first = ct.sh(f"cd /root/fleet && {FIRST}", timeout=3600)
@@ -102,6 +103,7 @@ def one_round(mode: str, pytest_args: str, cold_dir: Path) -> dict:
             disk2["uv_cache"] = ct.du_bytes(freshct.CT_UV_CACHE) - cache_before
         return {
             "mode": mode,
+            "commit": cloned,
             "apt_s": round(apt_s, 1),
             "first_command_s": round(first_s, 1),
             "first_command_to_run_end_s": round(trained_s, 1),
@@ -138,7 +140,7 @@ def main() -> int:
             "",
             f"## Fresh machine: the README's two commands ({when})",
             "",
-            f"- machine: {machine()}; commit {commit()}; command: "
+            f"- machine: {machine()}; commit (of the clone) per round below, checkout {commit()}; command: "
             f"`.venv/bin/python benchmarks/fresh_setup.py {argv}`".rstrip(),
         ]
         for r in results:
