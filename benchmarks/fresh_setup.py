@@ -118,6 +118,33 @@ def one_round(mode: str, pytest_args: str, cold_dir: Path) -> dict:
         ct.destroy()
 
 
+def append_results(results: list[dict], argv: str) -> None:
+    """A block in RESULTS.md: one table row per round (times in s, disk in GiB)."""
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "",
+        f"## Fresh machine: the README's two commands — {when}",
+        "",
+        f"- machine: {machine()}; checkout {commit()}; a new Debian bookworm LXC container per round "
+        "(tests/freshct.py), the README's apt prerequisites, `git clone` of HEAD (commit per row)",
+        "- command: `" + f".venv/bin/python benchmarks/fresh_setup.py {argv}".rstrip() + "`",
+        "",
+        "| uv cache | commit | apt | cmd 1 returns | tiny run ended | `./bootstrap --dev` | `pytest` "
+        "| disk after cmd 1: .venv / .fleet / uv cache | .venv after cmd 2 | pytest |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        d1, d2 = r["disk_after_first_gib"], r["disk_after_second_gib"]
+        cache = f"{d1['uv_cache']}" if "uv_cache" in d1 else "shared"
+        lines.append(
+            f"| {r['mode']} | {r['commit']} | {r['apt_s']} | {r['first_command_s']} | "
+            f"{r['first_command_to_run_end_s']} | {r['bootstrap_dev_s']} | {r['pytest_s']} | "
+            f"{d1['venv']} / {d1['fleet']} / {cache} | {d2['venv']} | {r['pytest_summary']} |"
+        )
+    with open(RESULTS, "a", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both")
@@ -134,19 +161,7 @@ def main() -> int:
             shutil.rmtree(cold, ignore_errors=True)
             Path(cold).mkdir(exist_ok=True)
     if not args.no_append:
-        when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        argv = " ".join(sys.argv[1:])
-        lines = [
-            "",
-            f"## Fresh machine: the README's two commands ({when})",
-            "",
-            f"- machine: {machine()}; commit (of the clone) per round below, checkout {commit()}; command: "
-            f"`.venv/bin/python benchmarks/fresh_setup.py {argv}`".rstrip(),
-        ]
-        for r in results:
-            lines.append(f"- `{r['mode']}` uv cache: {json.dumps(r)}")
-        with open(RESULTS, "a", encoding="utf-8") as handle:
-            handle.write("\n".join(lines) + "\n")
+        append_results(results, " ".join(sys.argv[1:]))
     return 0
 
 
