@@ -130,7 +130,7 @@ def append_results(results: list[dict], argv: str) -> None:
         "- command: `" + f".venv/bin/python benchmarks/fresh_setup.py {argv}".rstrip() + "`",
         "",
         "| uv cache | commit | apt | cmd 1 returns | tiny run ended | `./bootstrap --dev` | `pytest` "
-        "| disk after cmd 1: .venv / .fleet / uv cache | .venv after cmd 2 | pytest |",
+        "| disk after cmd 1: .venv / .fleet / uv cache | .venv after cmd 2 | pytest result |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
