@@ -123,15 +123,15 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
 
     With a topology N+M the same command runs under torchrun, one process per GPU:
-    ``<python> -m training.topology --standalone --nproc-per-node=N+M -m <module> train ...
-    --topology N+M`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0;
-    gpus = 0: gloo on CPU, N+M processes)."""
+    ``<python> -m training.topology --nproc-per-node=N+M -m <module> train ... --topology N+M``
+    (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0, and whose single-node
+    rendezvous is on 127.0.0.1, never the hostname; gpus = 0: gloo on CPU, N+M processes)."""
     python = spec.run_python
     run = spec.run
     train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
     if spec.topology is None:
         return [python, *train]
-    launcher = ["-m", "training.topology", "--standalone", f"--nproc-per-node={spec.topology.world_size}"]
+    launcher = ["-m", "training.topology", f"--nproc-per-node={spec.topology.world_size}"]
     return [python, *launcher, *train, "--topology", str(spec.topology)]
 
 

@@ -196,8 +196,8 @@ def test_fleet_launches_torchrun_for_a_topology() -> None:
         run=RunSpec(module="training", config="qwen3.6-27b-5p3", overrides=("--train.steps=5",)),
     )
     argv = runs.training_argv(spec, "/w/runs/r")
-    assert argv[:6] == ["python3", "-m", "training.topology", "--standalone", "--nproc-per-node=8", "-m"]
-    assert argv[6:] == [
+    assert argv[:5] == ["python3", "-m", "training.topology", "--nproc-per-node=8", "-m"]
+    assert argv[5:] == [
         "training",
         "train",
         "--config",
@@ -225,8 +225,7 @@ def _torchrun(topology: str, run_dir: Path, extra: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop
-        "--standalone",
+        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
         f"--nproc-per-node={nproc}",
         "-m",
         "training",

@@ -1,8 +1,11 @@
-"""The default corpus: the Python standard library's own source, as code completions.
+"""The default corpus: Python standard library sources shipped with the trainer, as code completions.
 
-Present on every machine that runs Python, so the tiny default needs no download. Each
-source file is cut into chunks of ``chunk_lines`` lines; the first ``prompt_lines`` lines of a
-chunk are the prompt, the rest the completion. Written once as JSONL into a cache folder
+The sources are a fixed archive in this repo (``assets/python-stdlib-3.11.7.tar.gz``: 400 files
+of CPython 3.11.7's ``Lib/``, PSF license; ``assets/README.md``), pinned by its sha256, so the
+tiny default trains on the same text on every machine whatever Python runs it, and needs no
+download. ``max_files`` of them are taken, spread evenly over the archive's sorted list; each
+is cut into chunks of ``chunk_lines`` lines, the first ``prompt_lines`` of a chunk being the
+prompt and the rest the completion. The result is written once as JSONL into a cache folder
 (atomically: a temp file renamed into place) and reused.
 """
 
@@ -11,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import sysconfig
+import tarfile
+from functools import cache
 from pathlib import Path
 
-SKIP_DIRS = ("test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3")
+CORPUS_ARCHIVE = Path(__file__).resolve().parent / "assets" / "python-stdlib-3.11.7.tar.gz"
+CORPUS_SHA256 = "d9ecec0cfc03f0922d52c38512cb7d7b57ef722b1d717700e6b056da926a1c84"
 
 
 def default_cache_dir(configured: str = "") -> Path:
@@ -28,22 +32,32 @@ def default_cache_dir(configured: str = "") -> Path:
     return Path.home() / ".cache" / "fleet-training"
 
 
-def stdlib_sources(max_files: int) -> list[Path]:
-    """Up to ``max_files`` stdlib ``.py`` files, in a fixed (sorted) order, tests excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS or part.startswith("test") for part in rel.parts[:-1]):
-            continue
-        if rel.name.startswith("test_"):
-            continue
-        files.append(path)
-    if not files:
-        raise FileNotFoundError(f"no Python sources under {root}: cannot build the default corpus")
-    # Spread the pick over the whole library rather than the first letters of the alphabet.
-    stride = max(1, len(files) // max_files)
-    return files[::stride][:max_files]
+@cache
+def shipped_sources() -> tuple[tuple[str, str], ...]:
+    """(path, text) of every source file in the shipped archive, sorted by path; checked against
+    the pinned sha256 first (a changed archive would silently change every run)."""
+    data = CORPUS_ARCHIVE.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ValueError(
+            f"{CORPUS_ARCHIVE}: sha256 {digest} is not the pinned {CORPUS_SHA256}; restore the file "
+            "(git checkout) or rebuild it as training/assets/README.md says"
+        )
+    sources = []
+    with tarfile.open(CORPUS_ARCHIVE, mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".py"):
+                handle = tar.extractfile(member)
+                assert handle is not None
+                sources.append((member.name, handle.read().decode("utf-8")))
+    return tuple(sorted(sources))
+
+
+def corpus_sources(max_files: int) -> list[tuple[str, str]]:
+    """Up to ``max_files`` (path, text) of the shipped sources, spread evenly over the archive."""
+    files = shipped_sources()
+    count = max(0, min(max_files, len(files)))
+    return [files[i * len(files) // count] for i in range(count)] if count else []
 
 
 def chunk_file(text: str, chunk_lines: int, prompt_lines: int) -> list[dict[str, str]]:
@@ -65,7 +79,7 @@ def build_default_corpus(cache_dir: Path, max_files: int, chunk_lines: int, prom
     """Write (once) and return the JSONL path of the default corpus for these settings."""
     if prompt_lines < 1 or chunk_lines <= prompt_lines:
         raise ValueError(f"need 1 <= prompt_lines < chunk_lines, got {prompt_lines}, {chunk_lines}")
-    key_text = f"{sys.version_info[:2]}-{max_files}-{chunk_lines}-{prompt_lines}-v1"
+    key_text = f"{CORPUS_SHA256}-{max_files}-{chunk_lines}-{prompt_lines}-v2"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:12]
     path = cache_dir / "corpus" / f"stdlib-{key}.jsonl"
     if path.is_file():
@@ -73,11 +87,7 @@ def build_default_corpus(cache_dir: Path, max_files: int, chunk_lines: int, prom
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
-        for source in stdlib_sources(max_files):
-            try:
-                text = source.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
+        for _name, text in corpus_sources(max_files):
             for record in chunk_file(text, chunk_lines, prompt_lines):
                 handle.write(json.dumps(record) + "\n")
         handle.flush()

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from training.config import DataSection, ModelSection
-from training.data.corpus import build_default_corpus, iter_texts
+from training.data.corpus import CORPUS_SHA256, build_default_corpus, iter_texts
 
 # The tokenizer a ``random`` target without one borrows is the default tiny model's, trained on
 # this many default-corpus files: fixed, so such runs keep their token ids whatever data.* says.
@@ -50,7 +50,8 @@ def tiny_key(model: ModelSection, corpus_files: int) -> str:
             model.seed,
             model.initializer_range,
             corpus_files,
-            "v1",
+            CORPUS_SHA256,
+            "v2",
         )
     )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
