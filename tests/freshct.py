@@ -119,6 +119,13 @@ def create(name: str, *, uv_cache: Path | None = None, rootfs_cache: Path = ROOT
     )
     subprocess.run(["lxc-start", "-n", name, "-d"], check=True)
     subprocess.run(["lxc-wait", "-n", name, "-s", "RUNNING", "-t", "30"], check=True)
+    # What Proxmox gives every container (as tests/hosts/setup does for ct200): a /dev/shm tmpfs,
+    # which torch's multiprocessing and NCCL's shared-memory transport need.
+    ct.sh(
+        "mountpoint -q /dev/shm || { mkdir -p /dev/shm && "
+        "mount -t tmpfs -o size=4g,mode=1777,nosuid,nodev shm /dev/shm; }",
+        check=True,
+    )
     cas = sorted(SITE_CAS.glob("*.crt"))
     if cas:
         dest = ct.path(str(SITE_CAS))

@@ -95,8 +95,13 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
     venv_site = "/root/fleet/.venv/lib/python3.11/site-packages"
     assert not ct.path(f"{venv_site}/torch").exists()  # the controller stays light
 
-    # 3. The README's test command, fast tier; then a topology run where the hostname does not resolve.
+    # 3. The README's test command, fast tier, on a machine `fab doctor` finds fit (the hostname
+    # resolves, as on a Proxmox container); then a topology run where the hostname does not resolve.
+    hosts = ct.path("/etc/hosts")
+    bare_hosts = hosts.read_text() if hosts.exists() else ""
+    hosts.write_text(bare_hosts + f"127.0.1.1\t{ct.name}\n")
     tests, _ = freshct.timed(ct, f"cd /root/fleet && {TESTS}", timeout=2400)
+    hosts.write_text(bare_hosts)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]
     assert " passed" in tests.stdout.splitlines()[-1], tests.stdout[-2000:]
     unresolved = ct.sh("getent hosts $(hostname)")
