@@ -13,7 +13,9 @@ the topology; (3) the real job under torchrun with ``pipeline.balance_window_s``
 step events), idle fraction per role (``balance`` events: wait_s / window_s), MFU per role.
 
 FLOPs (useful work only; the loss's checkpoint recompute is not counted):
-  target forward per real token  = 2 * decoder params + causal attention 2 * L * h * hd * T
+  target forward on the real tokens = training.model.flops.forward_flops (dense Qwen3 and the
+                                   qwen3_5 hybrid: matmuls, causal attention, the chunked delta rule)
+                                   over the layers the trainer runs (up to the deepest chosen one)
   drafter fwd+bwd per batch      = 3 * (fc on every token + per block query token: 2 * layer
                                    params * layers + attention over min(window, T/2) + lm_head 2*d*V)
 MFU = achieved FLOP/s per rank / measured peak; ``mfu`` over wall time, ``mfu_busy`` over the
@@ -39,7 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
-from training.run.core import anchors_per_row  # noqa: E402
+from training.model.flops import TargetShape, forward_flops  # noqa: E402
+from training.model.tinymodel import target_text_config  # noqa: E402
+from training.run.core import anchors_per_row, drafter_config  # noqa: E402
 
 
 def peak_matmul_flops(device: str, size: int, iters: int) -> float:
@@ -93,12 +97,24 @@ def layer_params(s: dict[str, int]) -> int:
     return attn + 3 * s["d"] * s["inter"]
 
 
-def target_flops(s: dict[str, int], tokens: int, sequences: int, padded: int) -> float:
+def target_shape(config: RunConfig) -> tuple[TargetShape, int]:
+    """The target's FLOP shape and the layers a target forward runs (up to the deepest chosen)."""
+    m = config.model
+    if m.kind == "pretrained":
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(Path(m.path).expanduser()), local_files_only=True)
+    else:
+        hf = target_text_config(m, m.vocab_size)
+    ts = TargetShape.from_config(hf)
+    return ts, max(drafter_config(config).resolved_target_layers(ts.layers)) + 1
+
+
+def target_flops(ts: tuple[TargetShape, int], tokens: int, sequences: int, padded: int) -> float:
     """Forward FLOPs of the target decoder on one batch (real tokens; causal attention)."""
+    shape_, layers_run = ts
     mean_len = tokens / max(sequences, 1)
-    dense = 2 * layer_params(s) * s["layers"] * tokens
-    attention = 2 * s["layers"] * s["heads"] * s["hd"] * mean_len * tokens  # QK^T + AV, causal half
-    return dense + attention
+    return forward_flops(shape_, max(sequences, 1), mean_len, layers_run=layers_run)["total"]
 
 
 def drafter_flops(config: RunConfig, s: dict[str, int], tokens: int, sequences: int, padded: int) -> float:
@@ -167,6 +183,7 @@ def summarize(
 ) -> dict[str, Any]:
     n, m = (int(x) for x in topology.split("+"))
     s = shape(config)
+    ts = target_shape(config)
     steps = [e for e in events if e["event"] == "step" and e["role"] == "drafter"]
     # Steady state: after --warmup-steps AND, when compiled, after every padded shape (bucket)
     # has been trained once (each new shape compiles on the drafter).
@@ -180,7 +197,7 @@ def summarize(
     t1 = max(e["ts"] for e in warm)
     seconds = max(t1 - t0, 1e-9)
     tokens = sum(e["tokens"] for e in warm)
-    t_flops = sum(target_flops(s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
+    t_flops = sum(target_flops(ts, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
     d_flops = sum(drafter_flops(config, s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
     roles: dict[str, Any] = {}
     for role, ranks, flops in (("target", n, t_flops), ("drafter", m, d_flops)):
@@ -190,8 +207,11 @@ def summarize(
         wait_s = sum(e["wait_s"] for e in windows)
         busy = busy_s / window_s if window_s else None  # windows of all ranks of the role
         mfu = flops / ranks / seconds / peak
+        window_tokens = sum(e["tokens_per_s"] * e["window_s"] for e in windows)
         roles[role] = {
             "ranks": ranks,
+            # one rank's rate while it computes: the plan's per-rank rate (training.run.plan)
+            "tokens_per_busy_s": window_tokens / busy_s if busy_s else None,
             "idle_fraction": wait_s / window_s if window_s else None,
             "busy_fraction": busy,
             "mfu": mfu,

@@ -37,6 +37,7 @@ from topology_bench import (  # noqa: E402
     peak_matmul_flops,
     shape,
     target_flops,
+    target_shape,
 )
 
 from training.config import load_config  # noqa: E402
@@ -53,9 +54,10 @@ def summarize(events: list[dict[str, Any]], config: Any, warmup: int, peak: floa
     if not warm:
         raise SystemExit("no step after the warm-up: raise --steps or lower --data.num_buckets")
     s = shape(config)
+    ts = target_shape(config)
     seconds = sum(e["step_s"] for e in warm)
     tokens = sum(e["tokens"] for e in warm)
-    t_flops = sum(target_flops(s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
+    t_flops = sum(target_flops(ts, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
     d_flops = sum(drafter_flops(config, s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
     return {
         "steps_measured": len(warm),

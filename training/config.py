@@ -53,6 +53,30 @@ class ModelSection:
     initializer_range: float = 0.02  # random init std (tiny: ~1/sqrt(hidden), a real model's logit scale)
     tokenizer_path: str = ""  # random/pretrained: tokenizer folder ("" = the model's, else the tiny one)
     seed: int = 0
+    # tiny/random: the transformers architecture built. qwen3 = Qwen3ForCausalLM; qwen3_5 = the hybrid
+    # of Qwen3.5/3.6 (Qwen3_5ForCausalLM): Gated DeltaNet (linear attention) layers with a gated
+    # full-attention layer every full_attention_interval-th layer. pretrained: config.json decides.
+    architecture: str = "qwen3"
+    full_attention_interval: int = 4  # qwen3_5: layer i is full attention iff (i + 1) % interval == 0
+    linear_num_key_heads: int = 16  # qwen3_5 Gated DeltaNet heads and head sizes
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    # tiny qwen3_5: how the folder is saved. text = Qwen3_5ForCausalLM (model.layers.*); multimodal =
+    # Qwen3_5ForConditionalGeneration (model.language_model.*, plus a small vision tower), as the
+    # published Qwen3.6 checkpoints are; both load text-only through the same from_pretrained.
+    checkpoint_layout: str = "text"
+
+
+@dataclass(frozen=True)
+class TargetSection:
+    """How the frozen target runs on a rank (what it is: [model])."""
+
+    # A hybrid target (linear-attention layers) on a GPU whose gated delta rule runs on
+    # transformers' pure-torch fallback (flash-linear-attention missing or broken) stops the run
+    # with one line instead of running ~1.5x slower. CPU runs have no kernels to require.
+    require_fast_path: bool = True
 
 
 @dataclass(frozen=True)
@@ -149,6 +173,7 @@ class PipelineSection:
 class RunConfig:
     name: str = "custom"
     model: ModelSection = field(default_factory=ModelSection)
+    target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -161,6 +186,7 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
+    "target": TargetSection,
     "drafter": DrafterSection,
     "data": DataSection,
     "train": TrainSection,
@@ -174,6 +200,8 @@ SECTIONS: dict[str, type] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.kind": ("tiny", "random", "pretrained"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.architecture": ("qwen3", "qwen3_5"),
+    "model.checkpoint_layout": ("text", "multimodal"),
     "wandb.mode": ("offline", "online"),
     "compile.enabled": ("auto", "on", "off"),
     "pipeline.order": ("free", "fixed"),
@@ -327,6 +355,24 @@ def validate(config: RunConfig) -> None:
             f"config key data.token_budget ({config.data.token_budget}) must be >= data.max_length "
             f"({config.data.max_length}) so the longest sequence fits one batch"
         )
+    if config.model.architecture == "qwen3_5":
+        interval = config.model.full_attention_interval
+        if not 1 <= interval <= config.model.num_hidden_layers:
+            raise ConfigError(
+                f"config key model.full_attention_interval: must be in [1, model.num_hidden_layers="
+                f"{config.model.num_hidden_layers}], got {interval}"
+            )
+        if config.model.linear_num_value_heads % config.model.linear_num_key_heads:
+            raise ConfigError(
+                "config keys model.linear_num_value_heads / linear_num_key_heads: the value heads must be "
+                f"a multiple of the key heads, got {config.model.linear_num_value_heads} / "
+                f"{config.model.linear_num_key_heads}"
+            )
+    if config.model.checkpoint_layout == "multimodal" and config.model.architecture != "qwen3_5":
+        raise ConfigError(
+            "config key model.checkpoint_layout: 'multimodal' is the Qwen3.5/3.6 layout; "
+            "set model.architecture = 'qwen3_5' too"
+        )
     if config.model.kind == "pretrained" and not config.model.path:
         raise ConfigError("config key model.path: required when model.kind = 'pretrained' (a local folder)")
 
@@ -404,6 +450,7 @@ __all__ = [
     "EvalSection",
     "ModelSection",
     "RunConfig",
+    "TargetSection",
     "TrainSection",
     "TrainingError",
     "WandbSection",

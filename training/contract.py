@@ -38,7 +38,8 @@ PHASES = (
     "error",
 )
 
-# Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "buckets", "phase", "role".
+# Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "dict[str,str]", "buckets",
+# "phase", "role".
 COMMON_FIELDS: dict[str, str] = {"v": "int", "ts": "float", "event": "str", "rank": "int", "role": "role"}
 
 EVENT_FIELDS: dict[str, dict[str, str]] = {
@@ -59,6 +60,14 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
         "buckets": "buckets",
     },
     "load_progress": {"what": "str", "done": "int", "total": "int", "seconds": "float"},
+    "target": {
+        "model_type": "str",
+        "num_layers": "int",
+        "layer_ids": "list[int]",
+        "linear_layers": "int",
+        "kernels": "dict[str,str]",
+        "fast_path": "str",
+    },
     "step": {
         "step": "int",
         "total_steps": "int",
@@ -120,6 +129,8 @@ def _check(kind: str, value: object, where: str) -> list[str]:
         ok = isinstance(value, list) and all(_is_float(x) for x in value)
     elif kind == "list[int]":
         ok = isinstance(value, list) and all(_is_int(x) for x in value)
+    elif kind == "dict[str,str]":
+        ok = isinstance(value, dict) and all(isinstance(x, str) for item in value.items() for x in item)
     elif kind == "buckets":
         if not isinstance(value, list):
             return [f"{where}: expected a list of buckets, got {type(value).__name__}"]

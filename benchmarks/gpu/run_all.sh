@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
-# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor)
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor and the
+# hybrid steps). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
+# steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -77,6 +79,67 @@ TOML
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; nvidia-smi topo -p2p r > "$OUT/p2p_r.txt" 2>&1
     cat /proc/driver/nvidia/version > "$OUT/proc_driver_nvidia_version.txt" 2>&1
     unset FLEET_CONFIG
+}
+target() {  # qwen3.6-27b-random forward on one H200: fast path with a cold, then a warm Triton cache; fallback
+    local args=(--config qwen3.6-27b-random --batch 4 --length 4096 --append-results)
+    rm -rf /tmp/tbt
+    timeout -k 20 "${TARGET_LIMIT_S:-240}" python3 benchmarks/target_bench.py "${args[@]}" --path fast \
+        --triton-cache /tmp/tbt | tail -1 | tee "$OUT/target_fast_cold.json"
+    timeout -k 20 "${TARGET_LIMIT_S:-240}" python3 benchmarks/target_bench.py "${args[@]}" --path fast \
+        --triton-cache /tmp/tbt | tail -1 | tee "$OUT/target_fast_warm.json"
+    timeout -k 20 "${TARGET_LIMIT_S:-240}" python3 benchmarks/target_bench.py "${args[@]}" --path fallback \
+        | tail -1 | tee "$OUT/target_fallback.json"
+}
+HYBRID_WORKDIR=/tmp/fleet-hybrid
+hybrid_inventory() {  # a local 2-GPU target running qwen3.6-27b-random as 1+1 (one bucket: one compiled shape)
+    cat > /tmp/fleet-hybrid.toml <<TOML
+default_target = "h200"
+[targets.h200]
+host = "local"
+workdir = "$HYBRID_WORKDIR"
+gpus = 2
+topology = "1+1"
+env = ""
+[targets.h200.run]
+config = "qwen3.6-27b-random"
+overrides = ["--train.steps=${HYBRID_STEPS:-40}", "--train.log_every=1", "--data.num_buckets=1",
+             "--data.corpus_files=300", "--pipeline.balance_window_s=5"]
+[targets.h200.commands]
+python = "python3"
+TOML
+    export FLEET_CONFIG=/tmp/fleet-hybrid.toml
+}
+hybrid_warm() {  # fab deploy + fab warm: the drafter's shape and the target's linear-attention kernels
+    hybrid_inventory
+    python3 -m fabric deploy || return 1
+    timeout -k 20 "${HYBRID_WARM_LIMIT_S:-560}" python3 -m fabric warm 2>&1 | tee "$OUT/hybrid_warm.log"
+    cp "$HYBRID_WORKDIR"/compile-cache/*/manifest.json "$OUT/hybrid_manifest.json" 2>/dev/null
+}
+hybrid_train() {  # fab train (1+1) to the end, fab status, the balance figures and plan's 8-GPU split from them
+    hybrid_inventory
+    python3 -m fabric train || return 1
+    local state=""
+    for _ in $(seq 1 "${HYBRID_POLLS:-50}"); do
+        sleep 10
+        python3 -m fabric status --json > "$OUT/hybrid_status.json"
+        state=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['state'])" "$OUT/hybrid_status.json")
+        case "$state" in finished|failed|stopped|stalled) break ;; esac
+    done
+    python3 -m fabric status | tee "$OUT/hybrid_status.txt"
+    local run="$HYBRID_WORKDIR/runs/latest"
+    cp "$run/events.jsonl" "$OUT/hybrid_events.jsonl"; tail -60 "$run/train.log" > "$OUT/hybrid_train_tail.log"
+    python3 benchmarks/topology_bench.py --config qwen3.6-27b-random --topology 1+1 --summarize "$run" \
+        --peak-tflops "${PEAK_TFLOPS:-748.67}" --warmup-steps 5 --data.num_buckets=1 --data.corpus_files=300 \
+        | tail -1 | tee "$OUT/hybrid_balance.json"
+    # plan's arithmetic for 8 GPUs from the measured per-rank rates (tokens per busy second of each role)
+    read -r t_rate d_rate < <(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['roles']; \
+print(r['target']['tokens_per_busy_s'], r['drafter']['tokens_per_busy_s'])" "$OUT/hybrid_balance.json")
+    python3 -m training plan --config qwen3.6-27b-random --gpus 8 --target-rate "$t_rate" \
+        --drafter-rate "$d_rate" | tee "$OUT/hybrid_plan8.txt"
+}
+hybrid_plan() {  # fab plan --gpus 8: its own probe (target + drafter on one GPU) for the same config
+    hybrid_inventory
+    timeout -k 20 "${HYBRID_PLAN_LIMIT_S:-540}" python3 -m fabric plan --gpus 8 | tee "$OUT/hybrid_plan_probe.txt"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

@@ -95,6 +95,22 @@ class CompileCache:
 
 
 @dataclass(frozen=True)
+class TargetPath:
+    """What one target-forward rank runs (its ``target`` event): the linear-attention kernels."""
+
+    rank: int
+    model_type: str
+    linear_layers: int
+    kernels: Mapping[str, str]
+    fast_path: str  # "yes" | "no" | "n/a"
+
+    def summary(self) -> str:
+        """``fast path yes (delta_rule fla, conv1d torch, gated_norm torch)``."""
+        detail = ", ".join(f"{name} {source}" for name, source in self.kernels.items())
+        return f"fast path {self.fast_path}" + (f" ({detail})" if detail else "")
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     step: int
     path: str
@@ -164,6 +180,16 @@ class RunStatus:
     diagnosis: tuple[Diagnosis, ...]
     last_activity_age_s: float | None = None
     notes: tuple[str, ...] = field(default=())
+    targets: tuple[TargetPath, ...] = field(default=())  # one per rank that runs the target forward
+
+    def target_paths(self) -> list[tuple[str, list[int]]]:
+        """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
+        groups: dict[str, list[int]] = {}
+        for t in self.targets:
+            if t.linear_layers > 0:
+                text = f"{t.model_type}, {t.linear_layers} linear-attention layers: {t.summary()}"
+                groups.setdefault(text, []).append(t.rank)
+        return list(groups.items())
 
     @property
     def exit_code(self) -> int:
@@ -178,6 +204,7 @@ class RunStatus:
         data = asdict(self)
         data["diagnosis"] = [d.to_json() for d in self.diagnosis]
         data["tokens_per_s_by_role"] = dict(self.tokens_per_s_by_role)
+        data["targets"] = [{**asdict(t), "kernels": dict(t.kernels)} for t in self.targets]
         data["exit_code"] = self.exit_code
         return _json_safe(data)
 
@@ -314,6 +341,7 @@ def build_status(
     checkpoint = None
     error = None
     eval_tau = None
+    targets: dict[int, TargetPath] = {}
     for ev in events:
         kind = ev["event"]
         rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
@@ -345,6 +373,12 @@ def build_status(
             )
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
+        elif kind == "target" and isinstance(ev.get("kernels"), dict):
+            kernels = {str(k): str(v) for k, v in ev["kernels"].items()}
+            linear = _int(ev.get("linear_layers")) or 0
+            targets[rank] = TargetPath(
+                rank, str(ev.get("model_type", "")), linear, kernels, str(ev.get("fast_path", ""))
+            )
         elif kind == "error":
             error = ErrorInfo(str(ev.get("type", "")), str(ev.get("message", "")))
 
@@ -378,6 +412,12 @@ def build_status(
         cache = CompileCache(
             *(sum(getattr(c, f) for c in cache_by_rank.values()) for f in CompileCache.__dataclass_fields__)
         )
+    slow = sorted(t.rank for t in targets.values() if t.fast_path == "no")
+    if slow:
+        notes.append(
+            f"target rank(s) {', '.join(map(str, slow))} run the linear-attention torch fallback "
+            "(~1.5x slower): the env lacks fla-core (envs/train pins it)"
+        )
     if cache and cache.warm_with_misses:
         notes.append("warm compile cache but misses: something recompiled (concurrent-compile risk)")
 
@@ -410,6 +450,7 @@ def build_status(
         diagnosis=tuple(diagnose(log_text, events)),
         last_activity_age_s=(facts.now - last_activity) if facts.now and last_activity else None,
         notes=tuple(notes),
+        targets=tuple(targets[r] for r in sorted(targets)),
     )
 
 

@@ -106,6 +106,13 @@ def _f(value: float | None, fmt: str = ".4g") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _ranks(ranks: Sequence[int]) -> str:
+    """``0-4`` for a run of consecutive ranks, else ``0, 2``."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
 def render(st: RunStatus, now: float | None = None) -> Group:
     """The picture of one run: state, progress, speed, buckets, GPUs, diagnosis."""
     now = now if now is not None else time.time()
@@ -139,6 +146,8 @@ def render(st: RunStatus, now: float | None = None) -> Group:
         info.add_row("tokens/s", f"{_f(st.tokens_per_s, ',.0f')}  ({roles})")
     if st.eta_s is not None:
         info.add_row("ETA", _duration(st.eta_s))
+    for path, ranks in st.target_paths():
+        info.add_row("target", f"{path}  (rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)})")
     if st.compile_cache:
         c = st.compile_cache
         warn = "  WARM START WITH MISSES" if c.warm_with_misses else ""

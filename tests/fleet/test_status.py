@@ -283,6 +283,43 @@ def test_compile_cache_warm_start_with_misses_is_flagged() -> None:
     assert not status([*START, ev(1, "compile_cache", **cold)]).compile_cache.warm_with_misses
 
 
+def target_event(ts: float, rank: int, delta_rule: str, linear: int = 48) -> str:
+    kernels = {"delta_rule": delta_rule, "conv1d": "torch", "gated_norm": "torch"} if linear else {}
+    fast = ("yes" if delta_rule != "torch" else "no") if linear else "n/a"
+    return ev(
+        ts, "target", rank, "target", model_type="qwen3_5_text" if linear else "qwen3", num_layers=64,
+        layer_ids=[1, 16, 31, 46, 61], linear_layers=linear, kernels=kernels, fast_path=fast,
+    )  # fmt: skip
+
+
+def test_target_kernels_per_rank_are_shown_and_a_fallback_rank_is_noted() -> None:
+    events = [*START, *(target_event(1, r, "fla") for r in range(4)), target_event(1, 4, "torch")]
+    st = status([*events, ev(2, "phase", phase="train")])
+    assert [t.rank for t in st.targets] == [0, 1, 2, 3, 4]
+    assert st.targets[0].kernels == {"delta_rule": "fla", "conv1d": "torch", "gated_norm": "torch"}
+    assert [note for note in st.notes if "torch fallback" in note] == [
+        "target rank(s) 4 run the linear-attention torch fallback (~1.5x slower): the env lacks fla-core "
+        "(envs/train pins it)"
+    ]
+    text = render_text(st, now=T0 + 3, width=200)
+    assert (
+        "qwen3_5_text, 48 linear-attention layers: fast path yes (delta_rule fla, conv1d torch, gated_norm "
+        "torch)  (ranks 0-3)" in text
+    )
+    assert "fast path no (delta_rule torch, conv1d torch, gated_norm torch)  (rank 4)" in text
+    data = st.to_json()
+    assert data["targets"][4] == {
+        "rank": 4,
+        "model_type": "qwen3_5_text",
+        "linear_layers": 48,
+        "kernels": {"delta_rule": "torch", "conv1d": "torch", "gated_norm": "torch"},
+        "fast_path": "no",
+    }
+    dense = status([*START, target_event(1, 0, "", linear=0)])
+    assert dense.targets[0].fast_path == "n/a" and "fast path" not in render_text(dense, now=T0 + 3)
+    assert not any("fallback" in n for n in dense.notes)
+
+
 # --------------------------------------------------------------------------- tolerant parsing
 
 

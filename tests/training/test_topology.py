@@ -220,7 +220,7 @@ def _env(cache: Path) -> dict[str, str]:
     return env
 
 
-def _torchrun(topology: str, run_dir: Path, extra: list[str]) -> list[str]:
+def _torchrun(topology: str, run_dir: Path, extra: list[str], config: str = "tiny-cpu") -> list[str]:
     nproc = sum(int(x) for x in topology.split("+"))
     return [
         sys.executable,
@@ -231,7 +231,7 @@ def _torchrun(topology: str, run_dir: Path, extra: list[str]) -> list[str]:
         "training",
         "train",
         "--config",
-        "tiny-cpu",
+        config,
         "--run-dir",
         str(run_dir),
         "--topology",
@@ -402,3 +402,42 @@ def test_hung_rank_ends_job_after_the_timeout(tiny_cache: Path, tmp_path: Path) 
     assert proc.returncode != 0, output[-2000:]
     errors = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "error"]
     assert any("rank 0 (target 0 on host" in e["message"] and e["rank"] == 1 for e in errors), errors
+
+
+@pytest.mark.slow
+def test_hybrid_target_in_a_topology_matches_single_process(tiny_cache: Path, tmp_path: Path) -> None:
+    """The Qwen3.5/3.6 architecture (tiny, multimodal layout) as the target of a 1+1 job: the
+    same losses as one process, and the target rank (only it) reports its linear-attention kernels."""
+    hybrid = ["--model.checkpoint_layout=multimodal", "--train.steps=3"]
+    single = tmp_path / "single"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "train",
+            "--config",
+            "tiny-qwen3.5-cpu",
+            "--run-dir",
+            str(single),
+            *COMMON,
+            *hybrid,
+        ],
+        cwd=REPO,
+        env=_env(tiny_cache),
+        capture_output=True,
+        timeout=HANG_GUARD_S,
+        check=True,
+    )
+    run_dir = tmp_path / "run"
+    argv = _torchrun("1+1", run_dir, [*hybrid, "--pipeline.order=fixed"], config="tiny-qwen3.5-cpu")
+    proc = subprocess.run(
+        argv, cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(run_dir, "drafter") == pytest.approx(_losses(single, "single"), rel=1e-4, abs=1e-5)
+    assert "target 0: target kernels: 6 linear-attention layers, fast path no" in proc.stdout
+    events = read_events(run_dir / "events.jsonl")
+    targets = [e for e in events if e["event"] == "target"]
+    assert [(e["rank"], e["role"], e["linear_layers"]) for e in targets] == [(0, "target", 6)]
+    assert all(not validate_event(e) for e in events)

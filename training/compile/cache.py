@@ -4,7 +4,8 @@ Layout (``root`` = ``<workdir>/compile-cache``, handed to every training process
 ``fleet/runs.py`` as ``$FLEET_COMPILE_CACHE``)::
 
     <root>/<key>/inductor/       TORCHINDUCTOR_CACHE_DIR (FX graph + AOTAutograd caches, C++/Triton code)
-    <root>/<key>/triton/         TRITON_CACHE_DIR (compiled Triton kernels)
+    <root>/<key>/triton/         TRITON_CACHE_DIR (compiled Triton kernels: inductor's and the target's
+                                 linear-attention kernels, with their ``*.autotune.json`` results)
     <root>/<key>/megacache.bin   torch.compiler.save_cache_artifacts() of the last warm-up
     <root>/<key>/manifest.json   what the warm-up compiled (``Manifest``); complete: true at the end
 
@@ -152,6 +153,11 @@ class Manifest:
     created_at: str
     complete: bool
     counters: Mapping[str, int] = field(default_factory=dict)
+    # The target's linear-attention kernels at warm-up: "yes" (their Triton code and autotune results
+    # are in triton/, one target forward per shape in ``target_shapes``), "no" (the torch fallback:
+    # nothing to warm), "n/a" (no linear attention, or no GPU), "" (a manifest that predates this).
+    target_fast_path: str = ""
+    target_shapes: tuple[ShapeRecord, ...] = ()
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -166,9 +172,10 @@ class Manifest:
             raise ValueError("manifest is not a JSON object")
         try:
             shapes = tuple(ShapeRecord(**s) for s in data.pop("shapes"))
+            target_shapes = tuple(ShapeRecord(**s) for s in data.pop("target_shapes", ()))
             buckets = tuple(int(b) for b in data.pop("buckets"))
             counters = {str(k): int(v) for k, v in dict(data.pop("counters", {})).items()}
-            return cls(shapes=shapes, buckets=buckets, counters=counters, **data)
+            return cls(shapes=shapes, buckets=buckets, counters=counters, target_shapes=target_shapes, **data)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest fields: {exc}") from None
 

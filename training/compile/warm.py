@@ -23,6 +23,15 @@ random hidden states feeds the drafter (the compiled graphs depend on shapes and
 only), so warming takes seconds to load instead of minutes and needs one GPU's memory for
 the drafter alone.
 
+A hybrid target (linear-attention layers, ``qwen3_5``) has Triton kernels of its own on the
+fast path (flash-linear-attention): their first call compiles and autotunes them (~47 s on an
+H200 for the 27B shape). On a GPU the warm-up therefore also runs one target forward per
+shape on a cut of the target: its config with one layer of each kind (the first
+``full_attention_interval`` layers) and random weights. The kernels and their autotune keys
+depend on the layer shapes, the dtype and the batch shape only, not on the depth or the
+weights; their code and autotune results land in the key's ``triton/`` dir, which every target
+rank uses (``training.run.core.ready_target``).
+
 ``prepare_compile`` is what every training process that compiles runs before its first
 step (the single trainer and the drafter ranks): the recompile guards, then the cache
 activated before the first compile and, when asked to (the single trainer with
@@ -115,12 +124,80 @@ class StandInTarget(nn.Module):
 def target_config(config: RunConfig, folder: str) -> Any:
     """The target's HF config without loading weights."""
     if config.model.kind == "random":
-        from training.model.tinymodel import qwen3_config
+        from training.model.tinymodel import target_text_config
 
-        return qwen3_config(config.model, config.model.vocab_size)
+        return target_text_config(config.model, config.model.vocab_size)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def kernel_probe_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module | None:
+    """The target cut to one layer of each kind (random weights, on ``device``) for warming its
+    linear-attention kernels; None when it has no linear-attention layers."""
+    from transformers import AutoModelForCausalLM
+
+    text = getattr(hf_config, "text_config", None) or hf_config
+    types = list(getattr(text, "layer_types", None) or [])
+    if "linear_attention" not in types:
+        return None
+    depth = next(n for n in range(1, len(types) + 1) if set(types[:n]) == set(types))
+    cut = type(text).from_dict({**text.to_dict(), "num_hidden_layers": depth, "layer_types": types[:depth]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cut, dtype=dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        model.init_weights()
+    return model.eval().requires_grad_(False)
+
+
+def warm_target_kernels(
+    config: RunConfig,
+    probe: nn.Module,
+    shapes: Sequence[ShapeRecord],
+    *,
+    device: torch.device,
+    echo: Echo = _echo,
+) -> tuple[str, list[ShapeRecord]]:
+    """One forward of ``probe`` per shape when its delta rule runs a kernel: (fast path, shapes done).
+    With ``target.require_fast_path`` a GPU warm-up on the torch fallback stops here (one line),
+    as the run would."""
+    from training.model.kernels import linear_attention_kernels, require_fast_path
+
+    kernels = linear_attention_kernels(probe)
+    echo(f"warm: {kernels.line()}")
+    require_fast_path(kernels, device_type=device.type, required=config.target.require_fast_path, who="warm")
+    if kernels.fast_path != "yes":
+        echo("warm: the target's linear attention runs on the torch fallback: no kernels to warm")
+        return kernels.fast_path, []
+    return kernels.fast_path, run_target_shapes(probe, shapes, device=device, echo=echo)
+
+
+def run_target_shapes(
+    probe: nn.Module, shapes: Sequence[ShapeRecord], *, device: torch.device, echo: Echo = _echo
+) -> list[ShapeRecord]:
+    """One target forward (the trainer's ``target_forward``, every layer) per shape, random tokens;
+    the shapes with their seconds."""
+    from training.model.target import num_layers, target_forward
+
+    vocab = probe.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    every_layer = list(range(num_layers(probe)))  # the deepest is the last: no early stop
+    done = []
+    for i, shape in enumerate(shapes, 1):
+        started = time.monotonic()
+        ids = torch.randint(0, vocab, (shape.batch_size, shape.length), generator=generator).to(device)
+        target_forward(probe, ids, every_layer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.monotonic() - started
+        done.append(ShapeRecord(shape.bucket, shape.batch_size, shape.length, round(seconds, 3)))
+        echo(
+            f"warm target [{i}/{len(shapes)}] batch {shape.batch_size} x {shape.length}: {seconds:.1f}s "
+            "(the linear-attention kernels compile and autotune at their first use)"
+        )
+    return done
 
 
 def warm_step(
@@ -208,7 +285,10 @@ def run_warm(
     active = activate(root, device, load=False)
     cache = active.cache
     digest = config_hash(config)
-    if if_needed and (ready := cache.complete_manifest(digest)) is not None:
+    ready = cache.complete_manifest(digest) if if_needed else None
+    if ready is not None and device.type == "cuda" and not ready.target_fast_path:
+        ready = None  # warmed before the target's kernels were part of the warm-up
+    if ready is not None:
         echo(f"warm: {cache.path} is already warm for {config.name} ({len(ready.shapes)} shapes)")
         return ready
     echo(f"warm: config {config.name} on {device}, cache {cache.path}")
@@ -231,6 +311,14 @@ def run_warm(
         f"(fail_on_recompile_limit_hit), setup {time.monotonic() - started:.1f}s"
     )
     done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
+    target_fast_path, target_done = "n/a", []
+    if device.type == "cuda":
+        probe = kernel_probe_target(target_config(config, folder), device, dtype)
+        if probe is not None:
+            warmed = warm_target_kernels(config, probe, shapes, device=device, echo=echo)
+            target_fast_path, target_done = warmed
+            del probe
+            torch.cuda.empty_cache()
     blob_bytes, entries = save_blob(cache.blob_path)
     manifest = Manifest(
         key=cache.key.text,
@@ -248,6 +336,8 @@ def run_warm(
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         complete=True,
         counters=cache_counters(),
+        target_fast_path=target_fast_path,
+        target_shapes=tuple(target_done),
     )
     cache.write_manifest(manifest)
     echo(
@@ -305,10 +395,13 @@ __all__ = [
     "StandInTarget",
     "compile_shapes",
     "config_hash",
+    "kernel_probe_target",
     "num_compiled_shapes",
     "prepare_compile",
     "prewarm",
+    "run_target_shapes",
     "run_warm",
     "set_compile_guards",
     "warm_main",
+    "warm_target_kernels",
 ]

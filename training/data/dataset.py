@@ -65,6 +65,18 @@ def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[l
     each assistant turn (with the generation prompt) and up to its end; a template that does
     not render prefixes consistently leaves that turn unlabelled rather than mislabelled.
     Without a template: ``role: content`` lines joined, EOS after each assistant turn.
+
+    Thinking (Qwen3.5/3.6 templates, ``<think>``): the labels are what the target generates
+    after its generation prompt ``<|im_start|>assistant\n<think>\n``: the reasoning, ``</think>``,
+    the answer and ``<|im_end|>\n``. The drafter must draft the reasoning, most of what a
+    thinking model emits, so it is in the loss; the ``<think>\n`` opener is part of the prompt
+    (the template writes it, the model does not), so it is not. An assistant turn before the
+    last user message is rendered without its reasoning; the target never produces an answer
+    without thinking first, so that rendering is not trained on: its prefix check fails and it
+    stays unlabelled. This is SpecForge's rule for these models (``specforge/data/template.py``
+    ``qwen3.5``: ``assistant_header`` ``<|im_start|>assistant\n<think>\n``, loss through
+    ``<|im_end|>\n``; ``tests/test_scripts/test_expand_reasoning_conversations.py``: the history
+    answer is out of the loss, the last turn's reasoning in).
     """
     if getattr(tokenizer, "chat_template", None):
         full = _render(tokenizer, messages, False)

@@ -91,39 +91,37 @@ def load_target(path: str | Path, device: torch.device | str, dtype: torch.dtype
 
 
 def build_random_target(model_cfg: ModelSection, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A causal LM of ``model_cfg``'s shape with random weights, built directly on ``device``."""
+    """A causal LM of ``model_cfg``'s shape and architecture with random weights, built directly on
+    ``device``: on the meta device first, then materialised there and initialised by transformers'
+    own ``init_weights`` (the per-architecture rules: rotary buffers, the Gated DeltaNet ``A_log`` /
+    ``dt_bias``, the ``1 + weight`` norms), seeded by ``model.seed``."""
     from transformers import AutoModelForCausalLM
 
-    from training.model.tinymodel import qwen3_config
+    from training.model.tinymodel import target_text_config
 
-    config = qwen3_config(model_cfg, model_cfg.vocab_size)
+    config = target_text_config(model_cfg, model_cfg.vocab_size)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device=device)
-    generator_state = torch.random.get_rng_state()
+    generator_states = _rng_states(device)
     torch.manual_seed(model_cfg.seed)
     try:
         with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, nn.Linear | nn.Embedding):
-                    nn.init.normal_(module.weight, std=config.initializer_range)
-                    bias = getattr(module, "bias", None)
-                    if bias is not None:
-                        bias.zero_()
-                elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
-                    module.weight.fill_(1.0)  # RMSNorm
-            # Non-persistent buffers (rotary inv_freq) were never materialised: rebuild each
-            # such module's buffers from its config, on the CPU, and move them over.
-            for module in model.modules():
-                if hasattr(module, "inv_freq") and hasattr(module, "config"):
-                    fresh = type(module)(module.config)
-                    for name, buffer in fresh.named_buffers(recurse=False):
-                        setattr(module, name, buffer.to(device))
-                    if hasattr(fresh, "attention_scaling"):
-                        module.attention_scaling = fresh.attention_scaling
+            model.init_weights()
     finally:
-        torch.random.set_rng_state(generator_state)
+        _restore_rng(generator_states, device)
     return _freeze(model)
+
+
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _restore_rng(states: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.random.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
 
 
 def model_source(config: RunConfig) -> tuple[str, str]:
@@ -190,32 +188,74 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
+def text_config(model: nn.Module) -> Any:
+    """The text model's config (a multimodal config nests it under ``text_config``)."""
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def layer_types(model: nn.Module) -> list[str]:
+    """Each decoder layer's mixer: ``full_attention``, ``linear_attention`` (Gated DeltaNet in
+    ``qwen3_5``), ``sliding_attention``; a config without ``layer_types`` is all full attention."""
+    types = getattr(text_config(model), "layer_types", None)
+    return list(types) if types else ["full_attention"] * num_layers(model)
+
+
+def describe_layers(model: nn.Module, layer_ids: Sequence[int]) -> str:
+    """``[1 linear, 16 linear, 31 full, ...]``: the chosen layers and their mixers (start-up line)."""
+    types = layer_types(model)
+    return "[" + ", ".join(f"{i} {types[i].removesuffix('_attention')}" for i in layer_ids) + "]"
+
+
+# Which layers a hybrid target gives the drafter. DFlash takes ``n`` layer outputs spread evenly
+# over the depth (``training.model.drafter.select_target_layers``), whatever each layer's mixer is;
+# the reference Qwen3.6-27B drafter (SpecForge ``configs/qwen3.6-27b-dflash.json``,
+# ``target_layer_ids`` [1, 16, 31, 46, 61] of 64) is exactly that formula, although with the
+# interval-4 layout it picks four Gated DeltaNet layers and one full-attention layer (31). What
+# is read is the residual stream after a whole decoder layer (mixer + MLP), which is the same
+# kind of feature after either mixer, and it is what SGLang and vLLM capture at serving time; so
+# the formula is used unchanged and no layer type is preferred.
+
+
+class _Captured(Exception):
+    """Raised by the hook of the deepest chosen layer: the layers after it are not needed."""
+
+
 @torch.no_grad()
 def target_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """Hidden states [B, T, len(layer_ids) * H] of the chosen decoder layers (their outputs).
 
-    Sequences are right-padded; the causal mask already keeps padding out of every real
-    position, so no attention mask is passed (the fast causal kernel stays in use).
+    Forward hooks keep only the chosen layers' outputs (not every layer's, as
+    ``output_hidden_states`` would), and the forward stops after the deepest chosen layer: with
+    DFlash's ids (up to L-3) the last layers, the final norm and the lm_head never run.
+    Sequences are right-padded; the causal mask (and, in linear-attention layers, the causal
+    recurrence) already keeps padding out of every real position, so no attention mask is passed
+    (the fast causal kernels stay in use).
     """
     layers = decoder_layers(model)
     captured: dict[int, torch.Tensor] = {}
+    last = len(layers) - 1
+    deepest = max(layer_ids)
 
     def hook_for(index: int):
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == deepest and index != last:
+                raise _Captured
 
         return hook
 
-    handles = [layers[i].register_forward_hook(hook_for(i)) for i in layer_ids]
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(layer_ids))]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     try:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         decoder(input_ids=input_ids, use_cache=False)
+    except _Captured:
+        pass
     finally:
         for handle in handles:
             handle.remove()
     # Same convention as ``output_hidden_states`` (DFlash's, and the eval's): the last layer's
     # entry is taken after the decoder's final norm.
-    last = len(layers) - 1
     final_norm = getattr(decoder, "norm", None)
     if last in captured and final_norm is not None:
         captured[last] = final_norm(captured[last])

@@ -15,6 +15,8 @@ warm-up) reuse:
     compiles                          whether a run compiles on a device (compile.enabled)
     load_train_data                   the tokenized data and its cache folder
     emit_run_start, announce_buckets, load_run_target   the start-up events both drivers write
+    ready_target                      a rank that runs the target forward: its layers and kernels
+                                      (line + ``target`` event), the fast-path check, the kernel cache
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from training.data.corpus import default_cache_dir
 from training.data.dataset import TrainData, load_tokenized
 from training.events import EventWriter
 from training.model.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
-from training.model.target import check_vocab, load_model
+from training.model.kernels import (
+    TargetKernels,
+    autotune_results,
+    linear_attention_kernels,
+    require_fast_path,
+)
+from training.model.target import check_vocab, describe_layers, layer_types, load_model, text_config
 from training.run.checkpoint import (
     SavedCheckpoint,
     load_latest,
@@ -387,3 +395,49 @@ def load_run_target(
     if events is not None:
         events.emit("load_progress", what="target", done=1, total=1, seconds=seconds)
     return target, seconds
+
+
+def ready_target(
+    config: RunConfig,
+    target: nn.Module,
+    layer_ids: list[int],
+    device: torch.device,
+    *,
+    events: EventWriter | None,
+    echo: Echo,
+    who: str,
+) -> TargetKernels:
+    """Before a rank's first target forward: the start-up lines (chosen layers with their mixers;
+    which linear-attention kernels run), the ``target`` event, ``target.require_fast_path`` (one
+    line and exit 2 instead of a ~1.5x slower run) and, on a GPU under ``$FLEET_COMPILE_CACHE``,
+    the Triton cache dir of the compile-cache key, so the linear-attention kernels' compiled code
+    and autotune results (``fab warm`` runs them) are found there and new ones land there."""
+    from training.compile.cache import activate, resolve_root
+
+    kernels = linear_attention_kernels(target)
+    types = layer_types(target)
+    full = sum(1 for t in types if t == "full_attention")
+    echo(
+        f"Target layers {describe_layers(target, layer_ids)} of {len(types)} "
+        f"({kernels.linear_layers} linear-attention, {full} full-attention)"
+    )
+    echo(kernels.line())
+    if events is not None:
+        events.emit(
+            "target",
+            model_type=kernels.model_type,
+            num_layers=len(types),
+            layer_ids=list(layer_ids),
+            linear_layers=kernels.linear_layers,
+            kernels=dict(kernels.kernels),
+            fast_path=kernels.fast_path,
+            hidden_size=int(text_config(target).hidden_size),
+        )
+    require_fast_path(kernels, device_type=device.type, required=config.target.require_fast_path, who=who)
+    root = resolve_root()
+    if kernels.fast_path == "yes" and device.type == "cuda" and root is not None:
+        triton_dir = activate(root, device, load=False).cache.triton_dir
+        found = autotune_results(triton_dir)
+        cold = "" if found else " (cold: the first forward autotunes, ~47 s on an H200; `fab warm` does it)"
+        echo(f"target kernel cache {triton_dir}: {found} autotune results{cold}")
+    return kernels

@@ -152,6 +152,15 @@ class TargetWorker(Worker):
         self.target, seconds = core.load_run_target(cfg, folder, self.tokenizer, self.events)
         _say(f"target {ctx.index} (rank {ctx.rank}) loaded on {ctx.device} in {seconds:.1f}s")
         self.layer_ids = core.drafter_config(cfg).resolved_target_layers(num_layers(self.target))
+        core.ready_target(
+            cfg,
+            self.target,
+            self.layer_ids,
+            ctx.device,
+            events=self.events,
+            echo=lambda line: _say(f"target {ctx.index}: {line}"),
+            who=ctx.me.describe(),
+        )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.pad_to_bucket = core.compiles(cfg, ctx.device)
         self.cursor, self.position = 0, Position()  # global batch number -> its data position

@@ -37,6 +37,7 @@ class Rates:
     device: str = ""
     batches: int = 0
     tokens: int = 0
+    target_fast_path: str = ""  # a hybrid target's linear attention: yes (kernels) | no (torch) | n/a
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,10 @@ def best_split(splits: list[Split]) -> Split:
 
 def format_plan(rates: Rates, splits: list[Split]) -> str:
     best = best_split(splits)
+    hybrid = rates.target_fast_path in ("yes", "no")
+    path = f", linear-attention fast path {rates.target_fast_path}" if hybrid else ""
     lines = [
-        f"probe on {rates.device or '?'}: target {rates.target_tokens_per_s:,.0f} tok/s per rank, "
+        f"probe on {rates.device or '?'}: target {rates.target_tokens_per_s:,.0f} tok/s per rank{path}, "
         f"drafter {rates.drafter_tokens_per_s:,.0f} tok/s per rank "
         f"({rates.batches} batches, {rates.tokens} tokens)",
         "split  predicted tok/s  bottleneck  target busy  drafter busy",
@@ -103,6 +106,7 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
     import torch
 
     from training.config import load_config
+    from training.model.kernels import linear_attention_kernels
     from training.model.target import target_forward
     from training.run.core import batch_anchors
     from training.run.single import Trainer
@@ -148,7 +152,12 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
                 tokens += int(batch.lengths.sum())
                 measured += 1
         return Rates(
-            tokens / max(t_target, 1e-9), tokens / max(t_drafter, 1e-9), str(device), batches, tokens
+            tokens / max(t_target, 1e-9),
+            tokens / max(t_drafter, 1e-9),
+            str(device),
+            batches,
+            tokens,
+            linear_attention_kernels(trainer.target).fast_path,
         )
     finally:
         trainer.close()

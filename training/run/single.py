@@ -98,6 +98,15 @@ class Trainer:
             f"Drafter: {cfg.drafter.num_layers} layers, {count / 1e6:.2f}M params, "
             + f"target layers {self.layer_ids}"
         )
+        core.ready_target(
+            cfg,
+            self.target,
+            self.layer_ids,
+            self.device,
+            events=None if self.eval_only else self.events,
+            echo=print0,
+            who=f"target on {self.device}",
+        )
         self.optimizer, self.scheduler = core.build_optimizer(cfg, self.drafter)
         self._setup_compile()
         self._resume()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,15 @@ def test_manifest_round_trips_and_only_a_complete_one_with_its_blob_counts(tmp_p
     assert cache.manifest() is None
     with pytest.raises(ValueError):
         cc.Manifest.from_json("[1, 2]")
+
+
+def test_manifest_records_the_target_kernels_warm_up_and_reads_older_manifests() -> None:
+    hybrid = replace(_manifest(), target_fast_path="yes", target_shapes=(cc.ShapeRecord(0, 4, 4096, 47.0),))
+    assert cc.Manifest.from_json(hybrid.to_json()) == hybrid
+    older = json.loads(_manifest().to_json())
+    del older["target_fast_path"], older["target_shapes"]  # written before the target was warmed
+    read = cc.Manifest.from_json(json.dumps(older))
+    assert read.target_fast_path == "" and read.target_shapes == ()
 
 
 class _Sink:

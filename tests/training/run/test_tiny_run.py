@@ -57,3 +57,55 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     for e in evals:
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
+
+
+def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """The hybrid target (Gated DeltaNet + full attention), saved as the published Qwen3.6 folders
+    are (multimodal), loaded text-only: a short run learns, reports its kernels, and eval runs."""
+    env = {**os.environ, "FLEET_TRAINING_CACHE": str(tiny_cache)}
+    run_dir = tmp_path / "run"
+    overrides = ["--model.checkpoint_layout=multimodal", "--train.steps=20", "--checkpoint.every=0"]
+    overrides += ["--eval.num_prompts=2", "--eval.max_new_tokens=16"]
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "train",
+            "--config",
+            "tiny-qwen3.5-cpu",
+            "--run-dir",
+            str(run_dir),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert (
+        "Target layers [1 linear, 3 full, 5 linear] of 8 (6 linear-attention, 2 full-attention)"
+        in train.stdout
+    )
+    events = read_events(run_dir / "events.jsonl")
+    assert [(e["event"], validate_event(e)) for e in events if validate_event(e)] == []
+    (target,) = [e for e in events if e["event"] == "target"]
+    assert target["model_type"] == "qwen3_5_text" and target["layer_ids"] == [1, 3, 5]
+    assert target["linear_layers"] == 6 and target["fast_path"] == "no"  # CPU: transformers' torch path
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[-1]["step"] == 20
+    assert sum(e["loss"] for e in steps[-2:]) / 2 < 0.75 * steps[0]["loss"], [e["loss"] for e in steps]
+
+    evaluate = subprocess.run(
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert evaluate.returncode == 0, evaluate.stderr[-3000:]
+    evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
+    assert len(evals) == 2 and all(e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0 for e in evals)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Download into .whl/ (repo root, git-ignored) the wheels the GPU device lacks, for Python 3.12 on
+# x86_64 Linux: the linear-attention kernels of the hybrid target (fla-core, the version envs/train
+# pins) and, with --run-deps, what the trainer and `fab` need that the device image does not hold
+# (datasets, fabric and their needs, at the versions of the repo's uv.lock). No causal-conv1d: PyPI
+# has only its sdist, which needs a CUDA build; transformers then runs the conv1d on F.conv1d.
+# Older versions of the same names are removed from .whl/ (two versions of one name stop the install).
+# On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+# (into the interpreter itself: `fab train` runs set PYTHONPATH to the release, so --target dirs are
+# not seen by the trainer).
+# Usage: bash benchmarks/gpu/wheels.sh [--run-deps]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+version_in() {  # version_in FILE NAME: the version NAME is pinned/locked at in a pyproject or uv.lock
+    python3 - "$1" "$2" <<'PY'
+import re, sys, tomllib
+path, name = sys.argv[1], sys.argv[2]
+data = tomllib.load(open(path, "rb"))
+if "package" in data:  # uv.lock
+    found = [p["version"] for p in data["package"] if p["name"] == name]
+else:  # pyproject.toml: an exact pin name==X
+    found = [m[1] for d in data["project"]["dependencies"] if (m := re.fullmatch(rf"{name}==(\S+)", d))]
+if len(found) != 1:
+    sys.exit(f"{path}: no single version of {name}")
+print(found[0])
+PY
+}
+
+wheels=("fla-core==$(version_in envs/train/pyproject.toml fla-core)")
+if [ "${1:-}" = "--run-deps" ]; then
+    for name in datasets dill multiprocess fabric invoke paramiko bcrypt pynacl cryptography cffi pycparser \
+        decorator deprecated; do
+        wheels+=("$name==$(version_in uv.lock "$name")")
+    done
+fi
+
+mkdir -p .whl
+for spec in "${wheels[@]}"; do
+    name="${spec%%==*}"
+    stem="${name//-/_}"
+    find .whl -maxdepth 1 -iname "${stem}-*.whl" ! -iname "${stem}-${spec##*==}-*" -print -delete
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64 \
+        -d .whl "$spec"
+done
+ls -l .whl
