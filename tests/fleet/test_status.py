@@ -352,7 +352,7 @@ def test_fetch_script_on_a_real_run_dir(tmp_path: Path) -> None:
     assert got.events_truncated and len(got.events_text.encode()) <= 4096
     st = build_status("t", got.facts, got.events_text, got.log_text, events_truncated=True)
     assert st.state == "failed" and st.step == 400
-    assert [d.signature for d in st.diagnosis] == ["cuda-oom"]
+    assert [d.signature for d in st.diagnosis] == ["cuda-oom", "sigkill"]  # exit 137: named last
 
 
 def test_fetch_with_no_run_and_a_cut_answer(tmp_path: Path) -> None:
