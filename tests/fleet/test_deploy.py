@@ -49,8 +49,10 @@ def test_release_id_is_bumped_past_existing_ones_in_the_same_second() -> None:
 def test_releases_to_prune_keeps_newest_and_protected() -> None:
     ids = [f"20261130T0000{i:02d}Z-abcdef1" for i in range(6)]
     assert d.releases_to_prune(ids, 3) == ids[:3]
-    # The current and a live run's release are never pruned; they count towards keep.
-    assert d.releases_to_prune(ids, 3, [ids[0], None]) == ids[1:3]
+    # The new release and a live run's are never pruned; they count towards keep: exactly 3 stay.
+    assert d.releases_to_prune(ids, 3, [ids[0], None]) == ids[1:4]
+    assert d.releases_to_prune(ids, 3, [ids[5], ids[0]]) == ids[1:4]
+    assert d.releases_to_prune(ids, 1, [ids[5], ids[0]]) == ids[1:5]  # two protected: two stay
     # Names that are not release ids are never touched.
     assert d.releases_to_prune([*ids, "keep-me", ".tmp-x"], 6) == []
     assert d.releases_to_prune(ids, 0) == ids[:5]  # at least one always stays
