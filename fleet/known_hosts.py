@@ -106,7 +106,7 @@ def _load_key(key_type: str, blob: str) -> tuple[paramiko.PKey | None, str]:
         return None, "the key is not valid base64"
     try:
         key = paramiko.PKey.from_type_string(key_type, data)
-    except paramiko.ssh_exception.UnknownKeyType:
+    except paramiko.pkey.UnknownKeyType:
         return None, f"key type {key_type} is not supported by fleet's SSH client (paramiko)"
     except (paramiko.SSHException, ValueError, TypeError, IndexError, AssertionError) as err:
         return None, f"the {key_type} key cannot be read ({err or type(err).__name__})"

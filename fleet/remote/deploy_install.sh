@@ -32,10 +32,11 @@ ids() {  # the release ids present (nothing else in releases/), oldest first: id
         [ -d "$rel" ] && printf '%s\n' "${rel#releases/}"
     done | grep -E '^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{7}(-dirty)?$' | LC_ALL=C sort
 }
-newest=$(ids | tail -n 1)
-if [ -n "$newest" ] && [ "$(printf '%s\n%s\n' "$id" "$newest" | LC_ALL=C sort | tail -n 1)" = "$newest" ]; then
+# The id's time must be later than every release's (ids sort by time; same second = taken).
+newest=$(ids | sed 's/-.*//' | tail -n 1)
+if [ -n "$newest" ] && [ "$(printf '%s\n%s\n' "${id%%-*}" "$newest" | LC_ALL=C sort | tail -n 1)" = "$newest" ]; then
     cat >/dev/null
-    echo "release id $id is taken or older than $newest" >&2
+    echo "release id $id is taken or not later than the release of $newest" >&2
     exit 76
 fi
 for left in releases/.tmp-* .current.tmp-*; do  # what killed deploys left behind

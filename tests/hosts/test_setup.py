@@ -40,3 +40,17 @@ def test_setup_rejects_unknown_arguments() -> None:
         assert "unknown argument '--frobnicate'" in result.stderr
     else:
         assert "run as root" in result.stderr
+
+
+def test_container_is_like_a_proxmox_one(hosts: TestHost) -> None:
+    """Its hostname resolves (torchrun's rendezvous needs that) and it trusts this machine's CAs."""
+    resolved = hosts.pct_exec(
+        "python3", "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"
+    )
+    assert resolved.stdout.strip().startswith("127."), resolved.stdout + resolved.stderr
+    bundle = hosts.pct_exec("cat", "/etc/ssl/certs/ca-certificates.crt").stdout
+    for cert in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")):
+        body = "".join(
+            line for line in cert.read_text().splitlines() if line and not line.startswith("-----")
+        )
+        assert body[:200] in bundle.replace("\n", ""), f"{cert} is not in the container's CA bundle"
