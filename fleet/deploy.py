@@ -349,21 +349,13 @@ def deploy(target: Target, repo_root: Path) -> Release:
         except CommandFailed as err:
             if err.command_exit_code != ID_TAKEN_EXIT:
                 raise _deploy_error(target, f"installing release {release_id}", err) from None
-            known = [*known, release_id, *_taken_ids(target)]
+            known = [*known, release_id, *prepare(target).releases]  # what got in first
             continue
         return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
     raise DeployError(
         f"{target.name}: {ID_ATTEMPTS} deploys into {spec.workdir} took each release id this deploy "
         "proposed; nothing was changed by this one: retry when the others are done"
     )
-
-
-def _taken_ids(target: Target) -> list[str]:
-    """The release ids on the target now (after another deploy got in first)."""
-    result = target.run(
-        remote.sh("deploy_prepare.sh", target.spec.workdir, target.spec.commands.tmux, RUN_SESSION)
-    )
-    return list(parse_prepare_output(result.stdout).releases)
 
 
 def current_release(target: Target) -> Release | None:
