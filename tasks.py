@@ -180,6 +180,28 @@ def env_rollback(c: Context) -> None:
         print(f"{target.name}: env {env.name} rolled back, now current: {env.describe()}")
 
 
+@fleet_task(
+    help={
+        "json": "print one JSON object (findings, lines, topology, bandwidth, ok)",
+        "bandwidth": "also measure send/recv of a batch of hidden states between a target and a drafter GPU",
+        "tokens_per_s": "planned tokens/s the target -> drafter link must carry (default 20000)",
+    }
+)
+def doctor(c: Context, json: bool = False, bandwidth: bool = False, tokens_per_s: float = 0.0) -> None:
+    """Check the target is fit to train: passthrough, driver, NCCL needs, GPU links; exit 1 if not."""
+    from fleet import doctor as fleet_doctor
+
+    rate = tokens_per_s or fleet_doctor.DEFAULT_TOKENS_PER_S
+    if rate < 0:
+        raise ConfigError(f"doctor --tokens-per-s {rate:g}: give a rate > 0")
+    on_targets(
+        c,
+        lambda target: fleet_doctor.doctor_task(
+            target, repo_root(), as_json=json, bandwidth=bandwidth, tokens_per_s=rate
+        ),
+    )
+
+
 @fleet_task(help={"gpus": "GPUs to split (default: the target's gpus, else 2)", "json": "print JSON"})
 def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
     """Probe target and drafter rates; predict each N+M split."""
@@ -193,4 +215,5 @@ def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
 
 
 ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)
+ns.add_task(doctor)
 ns.add_task(warm)

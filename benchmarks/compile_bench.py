@@ -6,8 +6,8 @@ into an empty dir; miss counts of each; the same start with compile excluded.
     python benchmarks/compile_bench.py --max-shapes 2 --index-check --out /tmp/cb
 
 Each measurement is a fresh process (``--child MODE``) that does what a training process does
-before its first step: import torch, activate the compile cache (``training.compile_cache``),
-build the data plan and a drafter (``training.warm``: stand-in target, real drafter, real
+before its first step: import torch, activate the compile cache (``training.compile.cache``),
+build the data plan and a drafter (``training.compile.warm``: stand-in target, real drafter, real
 compiled attention), then run one optimizer-free training step per shape (``warm_step``):
 
 - ``cold``: an empty cache root; afterwards it saves ``megacache.bin`` + ``manifest.json``.
@@ -72,8 +72,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     spawned = float(args.spawned)
     import torch
 
-    from training import attention
-    from training.compile_cache import (
+    from training.compile.cache import (
         CacheDir,
         Manifest,
         activate,
@@ -81,12 +80,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         save_blob,
         triton_version,
     )
-    from training.config import load_config
-    from training.corpus import default_cache_dir
-    from training.data import TrainData, load_tokenized
-    from training.target import load_tokenizer, model_source, resolve_device, resolve_dtype
-    from training.trainer import build_drafter
-    from training.warm import (
+    from training.compile.warm import (
         StandInTarget,
         compile_shapes,
         config_hash,
@@ -94,19 +88,21 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         target_config,
         warm_step,
     )
+    from training.config import load_config
+    from training.model import attention
+    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
+    from training.run.core import build_drafter, load_train_data, set_threads
 
     config = load_config(args.config, args.overrides)
     device = resolve_device(config.model.device)
-    if config.train.torch_threads > 0:
-        torch.set_num_threads(config.train.torch_threads)
+    set_threads(config)
     active = activate(Path(args.cache_root), device, load=args.mode != "warm")
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    tokenizer = load_tokenizer(tok_dir)
-    data_cache = Path(args.cache_root).parent / "data-cache"
-    tokenized = load_tokenized(config.data, tokenizer, default_cache_dir(config.model.cache_dir), data_cache)
-    planner = TrainData(tokenized, config.data).planner
+    planner = load_train_data(
+        config, load_tokenizer(tok_dir), Path(args.cache_root).parent / "data-cache"
+    ).planner
     dtype = resolve_dtype(config.model.dtype, device)
     drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
     shapes = compile_shapes(planner)[: args.max_shapes or None]

@@ -4,8 +4,8 @@
 
 Target: with --test-host, container 200 of the real SSH + LXC test host (tests/hosts/setup) in a
 throw-away workdir; else this machine (a local target in a temporary workdir). The env is
-`envs/<--env>` of this repo; `local-cpu` (torch 2.13.0+cpu, transformers, datasets, ...) takes
-torch from /opt/wheels, so for the container that wheel is copied to the same path inside it.
+`envs/<--env>` of this repo; `local-cpu` is torch 2.13.0 (PyPI's CUDA build on x86_64),
+transformers, datasets, ...; the container downloads it from PyPI itself.
 
 Measured (wall clock):
 - the first build (cold uv cache in a fresh container workdir; not a goal, for context);
@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,6 @@ from fleet.target import open_target  # noqa: E402
 
 FAB = REPO / ".venv" / "bin" / "fab"
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
-WHEELS = Path("/opt/wheels")
 
 
 def host_facts() -> dict[str, str]:
@@ -74,19 +72,6 @@ def inventory(tmp: Path, test_host: bool, env: str) -> Path:
     return path
 
 
-def copy_wheels_into_container(facts_rootfs: Path) -> None:
-    """The path sources of the lock (/opt/wheels/*.whl) at the same path inside the container."""
-    dest = facts_rootfs / WHEELS.relative_to("/")
-    dest.mkdir(parents=True, exist_ok=True)
-    for wheel in WHEELS.glob("*.whl"):
-        if not (dest / wheel.name).exists():
-            shutil.copyfile(wheel, dest / wheel.name)
-
-
-def container_rootfs() -> Path:
-    return Path(host_facts()["FLEET_TEST_CT_ROOTFS"])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", default="local-cpu", help="envs/<name> to build (default local-cpu)")
@@ -104,8 +89,6 @@ def main() -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="fleet-env-bench-")
     config = inventory(Path(tmp.name), args.test_host, args.env)
-    if args.test_host:
-        copy_wheels_into_container(container_rootfs())
     spec = next(iter(load_inventory(config).targets.values()))
     print(f"target {spec.name} ({spec.display}), workdir {spec.workdir}, env {args.env}", flush=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}

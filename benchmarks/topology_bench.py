@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
-from training.trainer import anchors_per_row  # noqa: E402
+from training.run.core import anchors_per_row  # noqa: E402
 
 
 def peak_matmul_flops(device: str, size: int, iters: int) -> float:

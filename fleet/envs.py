@@ -25,12 +25,14 @@ import functools
 import hashlib
 import io
 import json
+import os
 import platform
 import posixpath
 import re
 import secrets
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import tomllib
@@ -173,10 +175,15 @@ def cuda_mismatch(torch_cuda: str, driver: tuple[int, int] | None) -> str:
 
 @functools.cache
 def controller_uv() -> tuple[str, str]:
-    """(path, version) of this machine's real uv binary (not a pyenv/asdf shell shim)."""
-    found = shutil.which("uv")
+    """(path, version) of the uv this controller pushes to targets without it.
+
+    The controller venv's own uv first (``uv`` is a locked dependency: the version fleet was tested
+    with), then the one on PATH (its real binary, not a pyenv/asdf shell shim).
+    """
+    beside = Path(sys.executable).parent / "uv"
+    found = str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which("uv")
     if found is None:
-        raise EnvError("uv is not installed on this machine; run ./bootstrap (it installs uv)")
+        raise EnvError("uv is not installed on this machine; run ./bootstrap (it installs uv into .venv)")
     path = Path(found).resolve()
     if path.read_bytes()[:4] != b"\x7fELF":  # a shim script: ask uv itself where it lives
         out = subprocess.run(
@@ -190,6 +197,96 @@ def controller_uv() -> tuple[str, str]:
         path = Path(out.stdout.strip()).resolve()
     version = subprocess.run([str(path), "--version"], capture_output=True, text=True, check=True)
     return str(path), version.stdout.split()[1]
+
+
+# --- uv's errors, one line each ----------------------------------------------------------------
+
+_UV_CAUSE = re.compile(r"^\s*(?:error|cause|Caused by):\s*(.+?)\s*$", re.MULTILINE)
+_UV_NO_WHEEL = re.compile(r"Distribution `([^ `]+)==([^ `]+) @")
+_UV_ON_PLATFORM = re.compile(
+    r"You're on \w+ \(`([^`]+)`\), but `[^`]+` \(v[^)]+\) only has wheels for the following platforms: (.+?);"
+)
+_UV_ENVIRONMENTS = re.compile(r"supported environments: (.+)$", re.MULTILINE)
+_UV_PACKAGE = re.compile(r"`([A-Za-z0-9_.-]+==[^`\s]+)`")
+_MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_")
+_NETWORK_CAUSES = (
+    "dns error",
+    "Connection refused",
+    "timed out",
+    "operation timed out",
+    "tunnel error",
+    "Network is unreachable",
+    "No route to host",
+    "certificate",
+    "Connection reset",
+)
+
+
+def _uv_causes(output: str) -> list[str]:
+    """The ``error:`` line and its ``cause:`` chain, in order."""
+    return [m.group(1) for m in _UV_CAUSE.finditer(output)]
+
+
+def explain_uv_failure(output: str, env: str) -> str:
+    """What went wrong in a failed ``uv sync --locked`` of ``envs/<env>`` and what to do, as one
+    line, from uv's own (multi-line) output. Pure; tested on recorded real uv output."""
+    where = f"envs/{env}"
+    causes = _uv_causes(output)
+    first = causes[0] if causes else (tail_lines(output, 1) or "no output")
+    last = causes[-1] if causes else first
+    if "needs to be updated, but `--locked` was provided" in output:
+        return f"{where}/uv.lock is out of date with its pyproject.toml: run `uv lock` in {where}, commit it"
+    if "not compatible with the lockfile's supported environments" in output:
+        m = _UV_ENVIRONMENTS.search(output)
+        locked = m.group(1).strip() if m else "other platforms"
+        return (
+            f"{where}/uv.lock is locked for {locked} only and this target is not one of them: add the "
+            f"target's platform to [tool.uv] environments in {where}/pyproject.toml and run `uv lock` there"
+        )
+    if "doesn't have a source distribution or wheel for the current platform" in output:
+        m, on = _UV_NO_WHEEL.search(output), _UV_ON_PLATFORM.search(output)
+        dist = f"{m.group(1)} {m.group(2)}" if m else "a locked package"
+        if on is None:
+            return f"{dist} has no wheel for this target's platform: pin a version that has one in {where}"
+        mine, theirs = on.group(1), on.group(2).replace("`", "")
+        need = [tuple(map(int, g)) for g in _MANYLINUX.findall(theirs)]
+        have = _MANYLINUX.search(mine)
+        if need and have and tuple(map(int, have.groups())) < min(need):
+            glibc = "{}.{}".format(*min(need))
+            return (
+                f"{dist} needs glibc >= {glibc} (its wheels: {theirs}) and this target has glibc "
+                f"{have.group(1)}.{have.group(2)}: use a newer OS image there, or pin an older "
+                f"{dist.split()[0]} in {where}"
+            )
+        return f"{dist} has no wheel for this target ({mine}; it has {theirs}): pin another one in {where}"
+    if "Hash mismatch" in output:
+        pkg = _UV_PACKAGE.search(output)
+        what = pkg.group(1) if pkg else "a package"
+        return (
+            f"the file downloaded for {what} does not have the sha256 that {where}/uv.lock records (a proxy "
+            f"or mirror served another file, or the lock was edited): check the index, or run `uv lock` again"
+        )
+    if "No space left on device" in output:
+        return (
+            "no space left on the target's disk (an env with torch needs ~6 GB, plus the uv cache): free "
+            "space in the workdir, or put the uv cache on a larger disk (target key uv_cache)"
+        )
+    if "Failed to generate package metadata" in output and "@ path+" in output:
+        return (
+            f"{where} names a local file that this target does not have ({last}): take the package from "
+            f"a registry in {where}/pyproject.toml and run `uv lock` there"
+        )
+    if ("Failed to download" in output or "Failed to fetch" in output) and any(
+        k in output for k in _NETWORK_CAUSES
+    ):
+        pkg = _UV_PACKAGE.search(first)
+        what = pkg.group(1) if pkg else "the locked packages"
+        return (
+            f"cannot download {what} from PyPI ({last}): give the target HTTPS access to pypi.org and "
+            "files.pythonhosted.org (DNS, proxy, firewall), or share a uv cache that holds them "
+            "(target key uv_cache, envs/README.md)"
+        )
+    return f"uv: {first}" + (f" ({last})" if last != first else "")
 
 
 # --- target side -------------------------------------------------------------------------------
@@ -291,21 +388,38 @@ class Provisioner:
         return res.stdout.strip()
 
     def python_facts(self, uv: str, env_def: EnvDef, probe: str) -> dict[str, Any]:
-        """The interpreter matching requires-python (uv installs one where it can): probe ``interp``."""
+        """The interpreter for the env: probe ``interp`` of the first Python on the target that
+        matches requires-python (uv's discovery: the managed ones under ``<workdir>/python``, then
+        PATH: ``python3``, ``python3.X``, ...). When none matches, uv is asked to download one (a
+        standalone CPython from GitHub), which needs network; failing that, one line says what is
+        there and what to install."""
         request = env_def.requires_python
         argv = remote.sh("env_find_python.sh", uv, request, probe)
         res = self.target.run(argv, env=self.uv_env(), check=False)
-        install = None
         if res.exit_code == 3:
+            print(
+                f"{self.target.name}: no Python matching {request!r} on {self.spec.display}; "
+                "asking uv to download one",
+                flush=True,
+            )
             dl = self.uv_env(UV_PYTHON_DOWNLOADS="automatic")
-            install = self.target.run_stream([uv, "python", "install", request], env=dl, check=False)
+            install = self.target.run([uv, "python", "install", request], env=dl, check=False)
+            if install.exit_code != 0:
+                raise EnvError(self._no_python(env_def, install.stderr))
             res = self.target.run(argv, env=self.uv_env(), check=False)
-        if res.exit_code == 0:
-            return _loads(self.target, res, "interp")
-        why = tail_lines(install.stderr if install is not None else res.stderr, 1)
-        raise EnvError(
-            f"{self.target.name}: no Python matching {request!r} (envs/{env_def.name}/pyproject.toml "
-            f"requires-python) and uv could not install one ({why}); install a matching python3 there"
+        return _loads(self.target, res, "interp")
+
+    def _no_python(self, env_def: EnvDef, uv_output: str) -> str:
+        python = self.spec.commands.python
+        found = self.target.run([python, "-V"], check=False)
+        there = (found.stdout or found.stderr).strip() if found.exit_code == 0 else "none"
+        causes = _uv_causes(uv_output)
+        why = causes[-1] if causes else (tail_lines(uv_output, 1) or "no output")
+        return (
+            f"{self.target.name}: no Python matching {env_def.requires_python!r} (requires-python of "
+            f"envs/{env_def.name}) on {self.spec.display} (`{python} -V`: {there}) and uv could not "
+            f"download one ({why}): install one there (Debian/Ubuntu: apt-get install python3; "
+            "Debian 12+, Ubuntu 24.04+ and Proxmox VE 8+ ship a matching one)"
         )
 
 
@@ -371,15 +485,31 @@ def build_env(target: Target, env_def: EnvDef, *, reuse: bool = True) -> EnvInfo
             res = _probe(target, final_base, "rollback", final_base, env_def.name)
             if res.exit_code == 0:  # a verified earlier build of this hash: switch back to it
                 return _info(target, env_def.name, _loads(target, res, "rollback")["manifest"], built=False)
-        print(f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']})", flush=True)
+        size = (
+            " (with torch: ~3 GB to download into an empty uv cache, ~6 GB on disk)"
+            if env_def.has_torch
+            else ""
+        )
+        print(
+            f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']}){size}",
+            flush=True,
+        )
         sync = [uv, "sync", "--locked", "--no-install-project", "--link-mode", LINK_MODE]
         argv = remote.sh("env_sync.sh", uv, interp["executable"], venv, *sync)
-        res = target.run_stream(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
+        # Captured, not streamed: uv's failure is a page of causes; the user gets one line from it,
+        # and the whole output stays in a log on the target.
+        res = target.run(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
         if res.exit_code != 0:
+            log = posixpath.join(layout.envs, env_def.name, "build-failed.log")
+            target.run(remote.sh("save_stdin.sh", log), stdin=res.stderr.encode(), check=False)
             raise EnvError(
                 f"{target.name}: `uv sync --locked` of envs/{env_def.name} failed: "
-                f"{tail_lines(res.stderr, 3)}; the current env is unchanged"
+                f"{explain_uv_failure(res.stderr, env_def.name)}; the current env is unchanged "
+                f"(uv's output: {log})"
             )
+        installed = re.search(r"^Installed (\d+) packages? in (.+)$", res.stderr, re.MULTILINE)
+        if installed:
+            print(f"{target.name}: installed {installed[1]} packages in {installed[2]}", flush=True)
         manifest = _verify(target, env_def, venv, def_dir)
         manifest.update(
             env=env_def.name,

@@ -124,19 +124,19 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
 
     With a topology N+M the same command runs under torchrun, one process per GPU:
-    ``<python> -m training.topology --standalone --nproc-per-node=N+M -m <module> train ...
-    --topology N+M`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0;
-    gpus = 0: gloo on CPU, N+M processes)."""
+    ``<python> -m training.topology --nproc-per-node=N+M -m <module> train ... --topology N+M``
+    (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0, and whose single-node
+    rendezvous is on 127.0.0.1, never the hostname; gpus = 0: gloo on CPU, N+M processes)."""
     python = spec.run_python
     run = spec.run
     train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
     if spec.topology is None:
         return [python, *train]
-    launcher = ["-m", "training.topology", "--standalone", f"--nproc-per-node={spec.topology.world_size}"]
+    launcher = ["-m", "training.topology", f"--nproc-per-node={spec.topology.world_size}"]
     return [python, *launcher, *train, "--topology", str(spec.topology)]
 
 
-COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile_cache)
+COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:
@@ -152,15 +152,27 @@ def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
     return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]
 
 
-def run_with_env(target: Target, argv: Sequence[str], *, stream: bool = False) -> CommandResult:
-    """Run ``argv`` in ``<workdir>/current`` with the run's environment (``run_env``), as every task
-    that needs it does (``fab warm``, ``fab plan``, ...): the values go on stdin to
+def run_with_env(
+    target: Target,
+    argv: Sequence[str],
+    *,
+    stream: bool = False,
+    in_current: bool = True,
+    timeout: float | None = None,
+) -> CommandResult:
+    """Run ``argv`` with the run's environment (``run_env``), as every task that needs it does
+    (``fab warm``, ``fab plan``, ``fab doctor --bandwidth``, ...): the values go on stdin to
     ``remote/with_env.sh``, never into argv (``ps`` on the host and in the container), a file or
-    an error message. ``stream`` shows the output as it comes. Never raises on a non-zero exit."""
+    an error message. In ``<workdir>/current`` unless not ``in_current`` (nothing deployed yet);
+    ``stream`` shows the output as it comes. Never raises on a non-zero exit."""
     spec = target.spec
     env = run_env(spec)
+    where = spec.layout.current if in_current else None
     run = target.run_stream if stream else target.run
-    res = run(remote.sh("with_env.sh", *argv), cwd=spec.layout.current, check=False, stdin=env_file_text(env))
+    argv = [str(a) for a in argv]
+    res = run(
+        remote.sh("with_env.sh", *argv), cwd=where, check=False, stdin=env_file_text(env), timeout=timeout
+    )
     return replace(res, argv=tuple(argv), stderr=scrub(res.stderr, env))
 
 

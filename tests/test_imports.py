@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("fleet",)  # walked for cycles and upward imports; add a package name to cover it too
+PACKAGES = ("fleet", "training")  # walked for cycles and upward imports; add a package name to cover it too
 TASK_LAYER = ("tasks", "fabfile")  # the Fabric tasks: they import fleet, never the other way round
 STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and imported by the controller
 # (importer, module it must not reach, directly or through others)
@@ -146,6 +146,19 @@ def test_no_module_imports_the_task_layer(package: str) -> None:
         if name.split(".")[0] == package
         for target in targets
         if target in TASK_LAYER
+    )
+    assert upward == []
+
+
+def test_the_trainer_never_imports_the_controller() -> None:
+    """training/ is deployed alone to targets: it must not need fleet/ or the tasks."""
+    edges = graph(("fleet", "training"))
+    upward = sorted(
+        f"{name} imports {target}"
+        for name, targets in edges.items()
+        if name.split(".")[0] == "training"
+        for target in targets
+        if target.split(".")[0] in ("fleet", *TASK_LAYER)
     )
     assert upward == []
 

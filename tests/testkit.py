@@ -372,3 +372,39 @@ TINY_COMPILE_OVERRIDES = (
     "--drafter.num_anchors=8",
     "--train.torch_threads=1",
 )
+
+
+# ------------------------------------------------------------------ other CPythons (3.12, 3.13)
+
+OTHER_PYTHONS = ("3.12", "3.13")
+
+
+def other_pythons() -> dict[str, str]:
+    """version -> interpreter of the CPython 3.12 and 3.13 this machine has (PATH or pyenv)."""
+    found: dict[str, str] = {}
+    for version in OTHER_PYTHONS:
+        installs = sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))
+        candidates = [*(str(p) for p in installs), shutil.which(f"python{version}") or ""]
+        for candidate in filter(None, candidates):
+            probe = subprocess.run(
+                [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if probe.returncode == 0 and probe.stdout.strip() == version:
+                found[version] = candidate
+                break
+    return found
+
+
+def require_other_pythons() -> dict[str, str]:
+    """``other_pythons()``, all of them; skip without (fail when FLEET_TEST_REQUIRE_HOSTS=1, as in CI)."""
+    found = other_pythons()
+    missing = [v for v in OTHER_PYTHONS if v not in found]
+    if missing:
+        why = f"no CPython {', '.join(missing)} here (PATH or ~/.pyenv/versions)"
+        if os.environ.get("FLEET_TEST_REQUIRE_HOSTS") == "1":
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    return found

@@ -1,7 +1,9 @@
-"""``python -m training {train,eval}`` — the trainer's command line (runs on the target).
+"""``python -m training {train,eval,warm,plan}`` — the trainer's command line (runs on the target).
 
-    python -m training train --config NAME|PATH --run-dir DIR [--section.key=value ...]
+    python -m training train --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
     python -m training eval  --run-dir DIR
+    python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
+    python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 from training.config import TrainingError
@@ -33,10 +34,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N+M",
         help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
     )
-    sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.plan)")
+    sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.run.plan)")
     evaluate = sub.add_parser("eval", help="measure real acceptance of the newest checkpoint of a run")
     evaluate.add_argument("--run-dir", required=True, type=Path)
-    warm = sub.add_parser("warm", help="compile every shape of a config into a compile cache (training.warm)")
+    warm = sub.add_parser(
+        "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
+    )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     warm.add_argument("--cache-dir", default="", help="the cache root (default $FLEET_COMPILE_CACHE)")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
@@ -47,12 +50,9 @@ def _record_error(run_dir: Path | None, exc: BaseException) -> None:
     """An ``error`` event and ``phase: error`` in the run dir (best effort: the dir may be bad)."""
     if run_dir is None:
         return
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
     try:
         with EventWriter(run_dir) as events:
-            events.emit("error", type=type(exc).__name__, message=message, traceback_tail=tail)
-            events.phase("error")
+            events.error(exc)
     except OSError as write_error:
         print(f"(could not record the error in {run_dir}: {write_error})", file=sys.stderr)
 
@@ -60,35 +60,31 @@ def _record_error(run_dir: Path | None, exc: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from training.plan import main as plan_main
+        from training.run.plan import main as plan_main
 
         return plan_main(argv[1:])
     args, extra = _parser().parse_known_args(argv)
     run_dir: Path | None = getattr(args, "run_dir", None)
     try:
         if args.command == "train":
-            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-            if bad:
-                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
+            _check_overrides(extra)
             if args.topology or _config_topology(args.config, extra):
-                from training.distributed import train_distributed
+                from training.run.distributed import train_distributed
 
                 return train_distributed(args.config, run_dir, extra, args.topology)
-            from training.train import train
+            from training.run.single import train
 
             train(args.config, run_dir, extra)
         elif args.command == "warm":
-            bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-            if bad:
-                raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
-            from training.warm import warm_main
+            _check_overrides(extra)
+            from training.compile.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
         else:
             if extra:
                 raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir")
             from training.config import read_config
-            from training.trainer import evaluate_run
+            from training.run.single import evaluate_run
 
             evaluate_run(read_config(run_dir), run_dir)
     except TrainingError as exc:
@@ -107,6 +103,13 @@ def _config_topology(config_name: str, overrides: list[str]) -> str:
     from training.config import load_config
 
     return load_config(config_name, overrides).pipeline.topology
+
+
+def _check_overrides(extra: list[str]) -> None:
+    """Every argument left after the subcommand's own is a ``--section.key=value`` override."""
+    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if bad:
+        raise_usage(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value")
 
 
 def raise_usage(message: str) -> None:

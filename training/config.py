@@ -57,7 +57,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    """DFlash drafter (handed to ``training.drafter.DrafterConfig`` by field name)."""
+    """DFlash drafter (handed to ``training.model.drafter.DrafterConfig`` by field name)."""
 
     num_layers: int = 5
     block_size: int = 16
@@ -136,7 +136,7 @@ class CompileSection:
 
 @dataclass(frozen=True)
 class PipelineSection:
-    """N+M topology (issue 8, training.topology / training.distributed); "" = single process."""
+    """N+M topology (training.topology, training.run.distributed); "" = single process."""
 
     topology: str = ""  # "5+3": 5 target ranks + 3 drafter ranks under torchrun (or --topology)
     order: str = "free"  # free = drafters take whichever batch is ready | fixed = global order

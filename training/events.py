@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,6 +44,12 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     return str(value)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class EventWriter:
@@ -81,6 +88,15 @@ class EventWriter:
     def phase(self, phase: str) -> dict[str, Any]:
         """Shorthand for a ``phase`` event."""
         return self.emit("phase", phase=phase)
+
+    def error(self, exc: BaseException, message: str | None = None, **extra: Any) -> dict[str, Any]:
+        """An ``error`` event for ``exc`` (``message``: its first line unless given; the tail of its
+        traceback), then ``phase: error``. Returns the error event."""
+        tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
+        text = first_line(exc) if message is None else message
+        emitted = self.emit("error", type=type(exc).__name__, message=text, traceback_tail=tail, **extra)
+        self.phase("error")
+        return emitted
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
-# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all)
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -55,6 +55,28 @@ topology() {  # 1+1 on two GPUs; the drafter reuses compile()'s cache when it is
         --topology 1+1 --steps 40 --warmup-steps 5 --run-dir "$OUT/topology-run" \
         --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
     rm -rf "$OUT/topology-run/checkpoints" "$OUT/topology-run/data-cache"
+}
+doctor() {  # fab doctor: `fab doctor --bandwidth` on a local 2-GPU target, topology 1+1 (run it by name)
+    cat > /tmp/fleet-doctor.toml <<TOML
+default_target = "h200"
+[targets.h200]
+host = "local"
+workdir = "/tmp/fleet-doctor"
+gpus = 2
+topology = "1+1"
+env = ""
+[targets.h200.run]
+config = "qwen3-8b-h200"
+[targets.h200.commands]
+python = "python3"
+TOML
+    export FLEET_CONFIG=/tmp/fleet-doctor.toml
+    python3 -m fabric doctor --bandwidth | tee "$OUT/doctor.txt"; echo "fab doctor --bandwidth exit=${PIPESTATUS[0]}"
+    python3 -m fabric doctor --bandwidth --json > "$OUT/doctor.json"; echo "json exit=$?"
+    # real captures for tests/fixtures/nvidia-smi/h200x2/ (topo.txt, p2p_r.txt) and tests/fixtures/driver/
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; nvidia-smi topo -p2p r > "$OUT/p2p_r.txt" 2>&1
+    cat /proc/driver/nvidia/version > "$OUT/proc_driver_nvidia_version.txt" 2>&1
+    unset FLEET_CONFIG
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

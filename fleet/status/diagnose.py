@@ -4,7 +4,8 @@
 ``events.jsonl``) for the failures seen on multi-GPU DFlash runs: the FX-tracing
 RuntimeError from compiling in threads, Dynamo's recompile limit (silent dense fallback),
 flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and dead ranks, an NVML
-driver/library mismatch, import errors (environment drift), a full disk, a C++ abort
+driver/library mismatch, import errors (environment drift), a full disk, a torchrun rendezvous
+that did not come up, a C++ abort
 (``terminate called after throwing ...``) or native crash, and any other Python traceback;
 ``killed_diagnosis`` names the likely causes of a SIGKILL (exit 137).
 Each signature is reported once, at its first occurrence, in the order found in the log (the
@@ -223,6 +224,16 @@ def _native_crash(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
     )
 
 
+def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    """training.topology's one line for a torchrun rendezvous that did not come up."""
+    return Diagnosis(
+        "rendezvous",
+        f"torchrun's ranks did not meet: {m.group(1)}",
+        m.group(2).strip(),
+        _short(lines[i]),
+    )
+
+
 _SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
     (re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized"), _fx_trace),
     (
@@ -236,6 +247,10 @@ _SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
     (re.compile(r"Driver/library version mismatch|NVML_ERROR_LIB_RM_VERSION_MISMATCH"), _nvml),
     (re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import),
     (re.compile(r"No space left on device|\[Errno 28\]"), _disk_full),
+    (
+        re.compile(r"^torchrun: ((?:the rendezvous|cannot reach the rendezvous)\b.*?\)): (.+)$"),
+        _rendezvous,
+    ),
 )
 # How a process died when nothing more specific says why (a NCCL watchdog timeout, for one,
 # ends in a C++ abort too): used only when no signature above matched, before the bare traceback.
@@ -257,6 +272,7 @@ FATAL_SIGNATURES = frozenset(
         "rank-died",
         "import-error",
         "disk-full",
+        "rendezvous",
         "cpp-abort",
         "native-crash",
         "python-traceback",

@@ -193,7 +193,7 @@ def files_containing(root: Path, needle: bytes, skip: tuple[Path, ...] = ()) -> 
 
 
 def test_run_env_secret_never_in_ps_files_or_tmux(remote_fleet: RemoteFleet, tmp_path: Path) -> None:
-    """Every task that takes the run's environment (train, warm, plan), and the read-only ones
+    """Every task that takes the run's environment (train, warm, plan, doctor), and the read-only ones
     around them: the secret of run.env never shows in `ps` (host and container, sampled while the
     tasks run), in tmux's environment, in the run dir or any file fleet writes, or in fab's output.
     It does reach the processes (a hash of it proves that)."""
@@ -209,7 +209,8 @@ def test_run_env_secret_never_in_ps_files_or_tmux(remote_fleet: RemoteFleet, tmp
     hosts.ct_path(python).write_text(
         "#!/bin/sh\n"
         'hash=$(printf %s "$FLEET_TEST_SECRET" | sha256sum | cut -c1-16)\n'
-        f'printf \'%s %s\\n\' "$1$2$3$4" "$hash" >> {seen}\n'
+        'case "$1" in -m) tag="$1$2$3" ;; *) tag="$1$2" ;; esac\n'  # -mtrainingwarm, -I-c (doctor)
+        f'printf \'%s %s\\n\' "$tag" "$hash" >> {seen}\n'
         "sleep 2\n"
         'exec python3 "$@"\n'
     )
@@ -236,11 +237,13 @@ def test_run_env_secret_never_in_ps_files_or_tmux(remote_fleet: RemoteFleet, tmp
         fleet.write(run={"module": "training", "config": "tiny-cpu", "overrides": [], "env": env})
         outputs.append(fleet.fab("warm"))
         outputs.append(fleet.fab("plan"))
+        outputs.append(fleet.fab("doctor", "--bandwidth"))  # its send/recv probe runs with run.env
     # The processes got the secret (their hash of it matches) ...
     got = (ct_read(hosts, seen) or "").splitlines()
     assert any(line.startswith("-mtraining.selftesttrain") and line.endswith(digest) for line in got), got
     assert any(line.startswith("-mtrainingwarm") and line.endswith(digest) for line in got), got
     assert any(line.startswith("-mtrainingplan") and line.endswith(digest) for line in got), got
+    assert any(line.startswith("-I-") and line.endswith(digest) for line in got), got  # doctor's probe
     # ... while the sampler watched them (their command lines are in what `ps` showed) ...
     assert ps.saw("training.selftest") and ps.saw("training warm") and ps.saw("training plan")
     # ... and the secret was nowhere.
@@ -256,8 +259,8 @@ def test_run_env_secret_never_in_ps_files_or_tmux(remote_fleet: RemoteFleet, tmp
     recent = [p for p in Path("/tmp").glob("*") if p.is_file() and p.stat().st_mtime >= start]
     controller += [str(p) for p in recent if p != fleet.config and marker.encode() in p.read_bytes()]
     assert not controller, f"files on this machine hold the secret: {controller}"
-    assert ps.saw("fleet-with-env")  # warm and plan, each through its environment-on-stdin wrapper
-    warm, plan = outputs[-2:]
+    assert ps.saw("fleet-with-env")  # warm, plan, doctor: each through its environment-on-stdin wrapper
+    warm, plan = outputs[-3:-1]
     assert warm.returncode == 5 and plan.returncode == 5, warm.stderr + plan.stderr
     # warm streams its command's output (progress), then says in one line what went wrong
     assert warm.stderr.splitlines()[-1].startswith("fleet: ct200: compile-cache warm-up failed (ModuleNot")

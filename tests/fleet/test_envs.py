@@ -41,7 +41,17 @@ Would install 1 package
  + six==1.17.0
 error: The environment is outdated; run `uv sync` to update the environment
 """
-UV = shutil.which("uv")
+
+
+def _uv() -> str | None:
+    """The uv fleet uses here (the controller venv's own, else PATH's), or None."""
+    try:
+        return envs.controller_uv()[0]
+    except EnvError:
+        return None
+
+
+UV = _uv()
 
 
 # --- pure ----------------------------------------------------------------------------------------
@@ -53,7 +63,7 @@ def test_parse_lock_of_shipped_envs() -> None:
     assert train["transformers"].version == "5.8.1"
     assert "wandb" in train and "fleet-env-train" not in train  # the virtual project is left out
     cpu = parse_lock((REPO / "envs/local-cpu/uv.lock").read_text())
-    assert cpu["torch"] == LockedPackage("torch", "2.13.0+cpu", "path")
+    assert cpu["torch"] == LockedPackage("torch", "2.13.0", "registry")
     root = parse_lock((REPO / "uv.lock").read_text())
     for name in ("torch", "transformers", "datasets", "tokenizers", "numpy"):
         assert cpu[name].version == root[name].version  # the same versions as the controller
@@ -200,7 +210,7 @@ def test_python_for() -> None:
 
 # --- the local target, real uv -------------------------------------------------------------------
 
-needs_uv = pytest.mark.skipif(UV is None, reason="uv not installed (./bootstrap installs it)")
+needs_uv = pytest.mark.skipif(UV is None, reason="uv not installed (./bootstrap installs it into .venv)")
 
 
 @pytest.fixture
@@ -230,7 +240,8 @@ def _py(path: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _uv_pip(python: str, *args: str) -> None:
-    subprocess.run([UV, "pip", "install", "-q", "--python", python, *args], check=True)  # type: ignore[list-item]
+    env = {**os.environ, "UV_SYSTEM_CERTS": "1"}  # as fleet's own uv calls: the machine's CA store
+    subprocess.run([UV, "pip", "install", "-q", "--python", python, *args], check=True, env=env)  # type: ignore[list-item]
 
 
 @needs_uv
@@ -379,7 +390,7 @@ def _controller_venv_has_torch() -> bool:
 def test_gpu_target_verification_refuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture: str, message: str
 ) -> None:
-    """A GPU target: the real torch (the dev venv's CPU build) is imported by the shipped probe, the
+    """A GPU target: the real torch (the dev venv's) is imported by the shipped probe, the
     driver's CUDA version read from nvidia-smi (shim, recorded output); a torch that cannot use the
     GPUs, or a driver that does not answer, is refused before any switch."""
     monkeypatch.setenv("FLEET_NVSMI_FIXTURE_DIR", str(REPO / "tests/fixtures/nvidia-smi" / fixture))

@@ -161,3 +161,16 @@ def test_exec_over_ssh_quoted_once_per_layer(hosts: TestHost) -> None:
     assert (result.returncode, result.stdout) == (0, arg)
     assert not exists_in_ct(hosts, f"/tmp/{marker}")
     assert not Path(f"/tmp/{marker}").exists()
+
+
+def test_config_prints_the_gpu_container_setup_wrote(hosts: TestHost) -> None:
+    shown = pct(hosts, "config", str(hosts.ct_id))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert f"hostname: {hosts.ct_name}" in lines and "memory: 16384" in lines
+    keys = [line.split(":")[0] for line in lines if not line.startswith("lxc.")]
+    assert keys == sorted(keys), "pct prints the keys sorted"
+    assert "lxc.cgroup2.devices.allow: c 195:* rwm" in lines
+    assert "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file" in lines
+    plain = pct(hosts, "config", str(hosts.stopped_ct_id))
+    assert plain.returncode == 0 and "nvidia" not in plain.stdout

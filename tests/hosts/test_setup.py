@@ -42,12 +42,19 @@ def test_setup_rejects_unknown_arguments() -> None:
         assert "run as root" in result.stderr
 
 
-def test_container_is_like_a_proxmox_one(hosts: TestHost) -> None:
-    """Its hostname resolves (torchrun's rendezvous needs that) and it trusts this machine's CAs."""
-    resolved = hosts.pct_exec(
-        "python3", "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"
-    )
-    assert resolved.stdout.strip().startswith("127."), resolved.stdout + resolved.stderr
+@pytest.mark.skipif(os.geteuid() != 0, reason="tests/hosts/setup needs root")
+def test_container_200_has_shm_and_its_hostname_once_after_every_setup(hosts: TestHost) -> None:
+    result = subprocess.run([str(SETUP)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    etc_hosts = hosts.pct_exec("cat", "/etc/hosts").stdout.splitlines()
+    assert etc_hosts.count(f"127.0.1.1 {hosts.ct_name}") == 1
+    assert hosts.pct_exec("getent", "hosts", hosts.ct_name).stdout.split()[0] == "127.0.1.1"
+    mounts = [m for m in hosts.pct_exec("cat", "/proc/mounts").stdout.splitlines() if " /dev/shm " in m]
+    assert len(mounts) == 1 and mounts[0].startswith("shm /dev/shm tmpfs "), mounts
+
+
+def test_container_trusts_this_machines_cas(hosts: TestHost) -> None:
+    """Like a Proxmox container on this network: the CAs this machine added are in its bundle."""
     bundle = hosts.pct_exec("cat", "/etc/ssl/certs/ca-certificates.crt").stdout
     for cert in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")):
         body = "".join(

@@ -26,7 +26,7 @@ def test_the_27b_class_random_target_is_the_users_shape() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from training.tinymodel import qwen3_config
+    from training.model.tinymodel import qwen3_config
 
     config = load_config("qwen3-27b-random")
     m = config.model

@@ -22,8 +22,8 @@ import torch
 
 from training.config import ConfigError, load_config
 from training.events import read_events, validate_event
-from training.pipeline import KIND_BATCH, Header, WorkItem, unpack
-from training.plan import best_split, predict_splits
+from training.run.pipeline import KIND_BATCH, Header, WorkItem, unpack
+from training.run.plan import best_split, predict_splits
 from training.topology import Topology, parse_topology, pin_visible_gpu, visible_gpu_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,8 +196,8 @@ def test_fleet_launches_torchrun_for_a_topology() -> None:
         run=RunSpec(module="training", config="qwen3.6-27b-5p3", overrides=("--train.steps=5",)),
     )
     argv = runs.training_argv(spec, "/w/runs/r")
-    assert argv[:6] == ["python3", "-m", "training.topology", "--standalone", "--nproc-per-node=8", "-m"]
-    assert argv[6:] == [
+    assert argv[:5] == ["python3", "-m", "training.topology", "--nproc-per-node=8", "-m"]
+    assert argv[5:] == [
         "training",
         "train",
         "--config",
@@ -211,7 +211,7 @@ def test_fleet_launches_torchrun_for_a_topology() -> None:
     assert runs.training_argv(replace(spec, topology=None), "/r")[1:3] == ["-m", "training"]
 
 
-# ---------------------------------------------------------------- real torchrun jobs
+# ---------------------------------------------------------------- real torchrun jobs (slow)
 def _env(cache: Path) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -225,8 +225,7 @@ def _torchrun(topology: str, run_dir: Path, extra: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop
-        "--standalone",
+        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
         f"--nproc-per-node={nproc}",
         "-m",
         "training",

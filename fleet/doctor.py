@@ -1,0 +1,1527 @@
+"""`fab doctor`: is this target (a Proxmox LXC container, or a machine) fit to train, before a launch.
+
+Read-only. Two round trips at most, one script per location (``fleet/remote/doctor_host.sh`` on
+the Proxmox host of a container target, ``fleet/remote/doctor_container.sh`` where the run will
+run), plus one more for ``--bandwidth`` (``fleet/remote/doctor_bandwidth.py``, run by the env's
+own python). Their output is parsed by the pure parsers below, tested on recorded real output,
+and judged by :func:`evaluate` (pure) into a :class:`DoctorReport`: one :class:`Finding` per check,
+each one line naming what is wrong and the fix; any ``fail`` makes ``fab doctor`` exit 1.
+
+What is checked (docs/DESIGN.md "fab doctor" has the thresholds):
+
+- passthrough: the container config (``pct config <id>``) has the ``lxc.cgroup2.devices.allow``
+  and ``lxc.mount.entry`` lines (or ``devN:`` entries) for every ``/dev/nvidiaN``, ``nvidiactl``,
+  ``nvidia-uvm``, ``nvidia-uvm-tools`` and ``nvidia-caps``; the container has the device nodes;
+  their count matches ``gpus``;
+- driver: the host's kernel module (``/proc/driver/nvidia/version``) against the container's
+  ``libnvidia-ml.so.*`` / ``libcuda.so.*`` (NVML's "Driver/library version mismatch"), and the
+  env's torch CUDA build against the driver's CUDA version (``fleet.envs.cuda_mismatch``);
+- what NCCL and torchrun need: ``/dev/shm``, ``ulimit -l``, ``ulimit -n``, the hostname resolving,
+  free disk in the workdir for checkpoints + compile cache (+ the env), memory for the target;
+- how the GPUs talk: ``nvidia-smi topo -m`` and ``topo -p2p r`` between the topology's target and
+  drafter GPUs, and with ``--bandwidth`` a measured send/recv of one batch of hidden states;
+- clocks and health per GPU: persistence mode, clock event (throttle) reasons, ECC, retired pages /
+  remapped rows (``fleet.gpus.parse_health_xml``).
+
+A target with ``gpus = 0`` runs the checks that apply and lists the GPU ones as not applying.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import tomllib
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from io import StringIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from rich.console import Console
+from rich.table import Table
+
+from fleet import remote, runs
+from fleet.envs import cuda_mismatch
+from fleet.errors import FleetError, tail_lines
+from fleet.gpus import Answer, GpuHealth, parse_health_xml, smi_failure
+
+if TYPE_CHECKING:
+    from fleet.inventory import TargetSpec
+    from fleet.target import Target
+
+
+Status = Literal["ok", "warn", "fail", "skip"]
+GIB = 1024**3
+MIB = 1024**2
+
+# Thresholds (docs/DESIGN.md "fab doctor")
+SHM_MIN_BYTES = 1 * GIB  # NCCL's shared-memory transport and DataLoader workers; Docker's 64 MB fails
+MEMLOCK_MIN_KIB = 64 * 1024  # below it NCCL over InfiniBand/RDMA cannot register its buffers
+NOFILE_FAIL = 1024
+NOFILE_WARN = 4096
+COMPILE_CACHE_RESERVE = 2 * GIB  # inductor + triton cache of one key, generous
+ENV_RESERVE = 10 * GIB  # a torch + CUDA venv that `fab deploy` will build in the workdir
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two moments
+RANK_OVERHEAD = 3 * GIB  # host memory per training process (CUDA context, torch, python)
+DEFAULT_TOKENS_PER_S = 20_000.0  # the user's measured 5+3 rate (field notes)
+
+GPU_NODE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+GPU_COLUMN_RE = re.compile(r"^GPU\d+$")
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+CAPS_DIR = "/dev/nvidia-caps"
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+MODULE_RE = re.compile(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)")
+LIB_VERSION_RE = re.compile(r"^(libnvidia-ml|libcuda)\.so\.(\d+\.\d+(?:\.\d+)*)$")
+# Clock event reasons that mean the GPU is being held back (idle, app clocks, sync boost do not)
+SLOWDOWN_REASONS = {
+    "sw_power_cap": "software power cap",
+    "hw_slowdown": "hardware slowdown",
+    "hw_thermal_slowdown": "hardware thermal slowdown",
+    "hw_power_brake_slowdown": "hardware power brake",
+    "sw_thermal_slowdown": "software thermal slowdown",
+}
+
+
+# --- pure parsers ------------------------------------------------------------------------------------
+
+
+def parse_sections(text: str) -> dict[str, Answer]:
+    """Split a doctor script's output into its ``@@fleet <name> <exit code>`` sections."""
+    parts: dict[str, Answer] = {}
+    name, code, lines = "", 0, []
+    for line in [*text.splitlines(), "@@fleet end 0"]:
+        if line.startswith("@@fleet "):
+            if name:
+                parts[name] = Answer(code, "\n".join(lines).strip("\n"))
+            fields = line.split()
+            name = fields[1] if len(fields) > 1 else "?"
+            code = int(fields[2]) if len(fields) > 2 and fields[2].lstrip("-").isdigit() else -1
+            lines = []
+        elif name:
+            lines.append(line)
+    return parts
+
+
+@dataclass(frozen=True)
+class CtConfig:
+    """A container's config as ``pct config`` prints it (or an LXC config file): keys and lxc.* lines."""
+
+    keys: Mapping[str, str] = field(default_factory=dict)
+    lxc: tuple[tuple[str, str], ...] = ()
+
+    def lxc_values(self, *names: str) -> list[str]:
+        return [value for key, value in self.lxc if key in names]
+
+
+def parse_ct_config(text: str) -> CtConfig:
+    """``pct config <id>`` output (``key: value``; ``lxc.key: value``) or an LXC config (``lxc.key = value``).
+
+    Pattern of PVE::LXC::Config::parse_pct_config: snapshot sections (``[name]``) end the current
+    config; ``#`` lines are the description.
+    """
+    keys: dict[str, str] = {}
+    lxc: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        if re.match(r"^\[[^\]]+\]\s*$", line):
+            break
+        if m := re.match(r"^(lxc\.[a-z0-9_\-.]+)\s*(?::|=)\s*(.*?)\s*$", line):
+            lxc.append((m.group(1), m.group(2)))
+        elif m := re.match(r"^([a-z][a-z_]*\d*):\s*(.*?)\s*$", line):
+            keys[m.group(1)] = m.group(2)
+    return CtConfig(keys, tuple(lxc))
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    """One ``lxc.cgroup[2].devices.allow`` line: ``c 195:* rwm`` (``None`` = ``*``), or ``a``."""
+
+    kind: str  # "c", "b" or "a" (all devices)
+    major: int | None
+    minor: int | None
+    access: str
+    cgroup_v1: bool
+    line: str
+
+    def allows(self, major: int, minor: int | None) -> bool:
+        if "r" not in self.access or "w" not in self.access:
+            return False
+        if self.kind == "a":
+            return True
+        if self.kind != "c" or (self.major is not None and self.major != major):
+            return False
+        return self.minor is None or (minor is not None and self.minor == minor)
+
+
+def parse_device_rules(config: CtConfig) -> list[DeviceRule]:
+    rules = []
+    for key, value in config.lxc:
+        if key not in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow"):
+            continue
+        v1 = key == "lxc.cgroup.devices.allow"
+        line = f"{key}: {value}"
+        words = value.split()
+        if words[:1] == ["a"]:
+            rules.append(DeviceRule("a", None, None, "rwm", v1, line))
+            continue
+        m = re.match(r"^([cb])\s+(\*|\d+):(\*|\d+)\s*([rwm]*)$", value.strip())
+        if m:
+            major = None if m.group(2) == "*" else int(m.group(2))
+            minor = None if m.group(3) == "*" else int(m.group(3))
+            rules.append(DeviceRule(m.group(1), major, minor, m.group(4) or "rwm", v1, line))
+    return rules
+
+
+def mounted_paths(config: CtConfig) -> dict[str, str]:
+    """Container path -> the line that provides it: ``lxc.mount.entry`` targets and ``devN:`` entries."""
+    found: dict[str, str] = {}
+    for value in config.lxc_values("lxc.mount.entry"):
+        words = value.split()
+        if len(words) >= 2:
+            found["/" + words[1].strip("/")] = f"lxc.mount.entry: {value}"
+    for key, value in config.keys.items():
+        if re.match(r"^dev\d+$", key):
+            first = value.split(",")[0]
+            path = first.split("=", 1)[1] if first.startswith("path=") else first
+            found[path] = f"{key}: {value}"
+    return found
+
+
+def dev_entries(config: CtConfig) -> set[str]:
+    """Paths passed with ``devN:`` (Proxmox creates the node and its cgroup rule itself)."""
+    return {p for p, line in mounted_paths(config).items() if re.match(r"^dev\d+:", line)}
+
+
+@dataclass(frozen=True)
+class Node:
+    """A device node (or directory) as ``stat -c '%n|%F|%t|%T'`` shows it."""
+
+    path: str
+    kind: str  # "char", "dir", "block" or what stat said
+    major: int | None
+    minor: int | None
+
+
+def parse_nodes(text: str) -> dict[str, Node]:
+    nodes = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        path, ftype, major, minor = parts
+        kind = {"character special file": "char", "directory": "dir", "block special file": "block"}
+        is_dev = ftype in ("character special file", "block special file")
+        nodes[path] = Node(
+            path,
+            kind.get(ftype, ftype),
+            int(major, 16) if is_dev else None,
+            int(minor, 16) if is_dev else None,
+        )
+    return nodes
+
+
+def parse_proc_devices(text: str) -> dict[str, int]:
+    """``/proc/devices`` lines ``511 nvidia-uvm`` -> ``{"nvidia-uvm": 511}``."""
+    majors = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[0].isdigit():
+            majors[words[1]] = int(words[0])
+    return majors
+
+
+def parse_module_version(text: str) -> str | None:
+    """The kernel module's version from ``/proc/driver/nvidia/version`` (proprietary or open module)."""
+    m = MODULE_RE.search(text)
+    return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class NvLibs:
+    """The NVIDIA user-space libraries a container has: every version found, and the one loaded."""
+
+    versions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # lib -> versions on disk
+    loaded: Mapping[str, str] = field(default_factory=dict)  # lib -> version `<lib>.so.1` resolves to
+
+
+def parse_libs(text: str) -> NvLibs:
+    """Lines ``link NAME TARGET`` / ``file NAME REALPATH`` of ``doctor_container.sh``'s ``libs``."""
+    versions: dict[str, set[str]] = {}
+    loaded: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) != 3:
+            continue
+        kind, name, real = words
+        m = LIB_VERSION_RE.match(posixpath.basename(real))
+        if not m:
+            continue
+        lib, version = m.group(1), m.group(2)
+        versions.setdefault(lib, set()).add(version)
+        if kind == "link" and posixpath.basename(name) == f"{lib}.so.1":
+            loaded.setdefault(lib, version)  # search order: the first .so.1 is the one ld finds
+    for lib, found in versions.items():
+        if lib not in loaded and len(found) == 1:
+            loaded[lib] = next(iter(found))
+    return NvLibs({k: tuple(sorted(v)) for k, v in versions.items()}, loaded)
+
+
+def parse_gpu_matrix(text: str) -> dict[tuple[int, int], str]:
+    """``nvidia-smi topo -m`` or ``topo -p2p r``: the GPU x GPU cells (``NV18``, ``PHB``, ``OK``, ``GNS``).
+
+    Tabs or the spaces a terminal copy turns them into, ANSI styling, NIC columns and the legend
+    are all tolerated: GPU columns come first in the header, GPU rows start with ``GPUn``.
+    """
+    columns: list[int] = []
+    cells: dict[tuple[int, int], str] = {}
+    for raw in text.splitlines():
+        words = ANSI_RE.sub("", raw).split()
+        if not words:
+            continue
+        gpu_words = [w for w in words if GPU_COLUMN_RE.match(w)]
+        if not columns and len(words) > 1 and GPU_COLUMN_RE.match(words[1]):  # the header: GPU0 GPU1 ...
+            columns = [int(w[3:]) for w in gpu_words]
+            continue
+        if columns and GPU_COLUMN_RE.match(words[0]):  # a row: GPUn, then one cell per GPU column
+            row = int(words[0][3:])
+            for col, cell in zip(columns, words[1 : 1 + len(columns)], strict=False):
+                cells[(row, col)] = cell
+    return cells
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """One GPU of ``nvidia-smi -q -x``: what `fab doctor` reports on clocks and health."""
+
+    index: int
+    name: str
+    uuid: str
+    minor: int | None
+    bus_id: str | None
+    persistence: bool | None
+    slowdowns: tuple[str, ...]
+    ecc_enabled: bool | None
+    ecc_uncorrected: int | None
+    health: GpuHealth | None
+
+
+@dataclass(frozen=True)
+class SmiXml:
+    driver_version: str | None
+    cuda_version: str | None
+    gpus: tuple[GpuState, ...]
+
+
+def _int_or_none(text: str | None) -> int | None:
+    text = (text or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def parse_smi_xml(text: str) -> SmiXml:
+    """Driver and CUDA versions and, per GPU, persistence, clock event reasons, ECC and health."""
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as err:
+        raise FleetError(f"nvidia-smi -q -x printed invalid XML ({err})") from None
+    health = {h.uuid: h for h in parse_health_xml(text)}
+    gpus = []
+    for index, gpu in enumerate(root.iter("gpu")):
+        slowdowns = []
+        for reasons in (gpu.find("clocks_event_reasons"), gpu.find("clocks_throttle_reasons")):
+            for child in reasons if reasons is not None else ():
+                key = re.sub(r"^clocks_(event|throttle)_reason_", "", child.tag)
+                if key in SLOWDOWN_REASONS and (child.text or "").strip() == "Active":
+                    slowdowns.append(SLOWDOWN_REASONS[key])
+        volatile = gpu.find("ecc_errors/volatile")
+        uncorrected = None
+        if volatile is not None:
+            counts = [_int_or_none(e.text) for e in volatile.iter() if "uncorrectable" in e.tag]
+            old = _int_or_none(volatile.findtext("double_bit/total"))
+            numbers = [c for c in [*counts, old] if c is not None]
+            uncorrected = sum(numbers) if numbers else None
+        ecc = (gpu.findtext("ecc_mode/current_ecc") or "").strip()
+        persistence = (gpu.findtext("persistence_mode") or "").strip()
+        uuid = (gpu.findtext("uuid") or "").strip()
+        gpus.append(
+            GpuState(
+                index=index,
+                name=(gpu.findtext("product_name") or "?").strip(),
+                uuid=uuid,
+                minor=_int_or_none(gpu.findtext("minor_number")),
+                bus_id=(gpu.findtext("pci/pci_bus_id") or gpu.get("id") or "").strip() or None,
+                persistence=None if persistence not in ("Enabled", "Disabled") else persistence == "Enabled",
+                slowdowns=tuple(slowdowns),
+                ecc_enabled=None if ecc not in ("Enabled", "Disabled") else ecc == "Enabled",
+                ecc_uncorrected=uncorrected,
+                health=health.get(uuid),
+            )
+        )
+    return SmiXml(
+        (root.findtext("driver_version") or "").strip() or None,
+        (root.findtext("cuda_version") or "").strip() or None,
+        tuple(gpus),
+    )
+
+
+def parse_df(text: str) -> tuple[int, int, str] | None:
+    """``df -P -k PATH``: (total bytes, available bytes, mount point)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return None
+    words = lines[-1].split()
+    if len(words) < 6 or not words[1].isdigit() or not words[3].isdigit():
+        return None
+    return int(words[1]) * 1024, int(words[3]) * 1024, words[-1]
+
+
+def parse_keyed(text: str) -> dict[str, str]:
+    """``key value`` lines (the ``ulimit`` and ``memory`` sections)."""
+    return {w[0]: w[1] for w in (line.split(None, 1) for line in text.splitlines()) if len(w) == 2}
+
+
+def memory_limit(ct_config: CtConfig | None, memory_section: str) -> tuple[int, str] | None:
+    """The container's memory limit in bytes and where it was read: pct's ``memory`` (MiB), the
+    cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else ``MemTotal`` (lxcfs shows the
+    limit there in a Proxmox container)."""
+    if ct_config is not None and ct_config.keys.get("memory", "").isdigit():
+        return int(ct_config.keys["memory"]) * MIB, "pct config memory"
+    facts = parse_keyed(memory_section)
+    for key, label in (("cgroup2", "cgroup memory.max"), ("cgroup1", "cgroup memory.limit_in_bytes")):
+        value = facts.get(key, "-")
+        if value.isdigit() and int(value) < 2**60:
+            return int(value), label
+    if facts.get("meminfo", "").isdigit():
+        return int(facts["meminfo"]) * 1024, "/proc/meminfo MemTotal"
+    return None
+
+
+# --- what the run needs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunNeeds:
+    """Sizes of the configured run, from its config (``training/configs/<name>.toml`` + overrides)."""
+
+    config: str
+    known: bool  # False: the run config was not found; sizes are not estimated
+    kind: str = ""  # model.kind: tiny | random | pretrained
+    model_path: str = ""
+    hidden_size: int = 0
+    target_layers: int = 0  # hidden states taken per token
+    token_budget: int = 0
+    dtype_bytes: int = 2
+    drafter_params: int = 0
+    target_bytes: int | None = None
+    keep_checkpoints: int = 2
+    notes: tuple[str, ...] = ()
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        return self.target_layers * self.hidden_size * self.dtype_bytes
+
+    @property
+    def batch_hidden_bytes(self) -> int:
+        return self.token_budget * self.hidden_bytes_per_token
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.drafter_params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def read_run_config(repo_root: Path, spec: TargetSpec) -> dict[str, Any] | None:
+    """The run config as a dict (the repo's TOML + ``run.overrides``); None when not found here."""
+    name = spec.run.config
+    path = Path(name) if name.endswith(".toml") else repo_root / "training" / "configs" / f"{name}.toml"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    for override in spec.run.overrides:
+        m = re.match(r"^--([a-z_]+)\.([a-z_]+)=(.*)$", override)
+        if m:
+            data.setdefault(m.group(1), {})[m.group(2)] = _toml_scalar(m.group(3))
+    return data
+
+
+def _toml_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _layer_params(h: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    return 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter
+
+
+def run_needs(
+    spec: TargetSpec,
+    raw: Mapping[str, Any] | None,
+    model_config: Mapping[str, Any] | None = None,
+    model_bytes: int | None = None,
+) -> RunNeeds:
+    """Sizes from the run config; a pretrained target's shape from its ``config.json`` (pure)."""
+    if raw is None:
+        return RunNeeds(spec.run.config, known=False)
+    model, drafter, data = (dict(raw.get(s, {})) for s in ("model", "drafter", "data"))
+    kind = str(model.get("kind", "tiny"))
+    notes: list[str] = []
+    shape = dict(model)
+    if kind == "pretrained":
+        cfg = dict(model_config or {})
+        cfg = dict(cfg.get("text_config", cfg))
+        if not cfg:
+            notes.append("the model's config.json was not readable: hidden size 5120 assumed")
+        shape = {**cfg, "hidden_size": cfg.get("hidden_size", 5120)}
+    h = int(shape.get("hidden_size", 256))
+    heads = int(shape.get("num_attention_heads", 4))
+    kv = int(shape.get("num_key_value_heads", heads))
+    head_dim = int(shape.get("head_dim") or h // max(heads, 1))
+    inter = int(shape.get("intermediate_size", 4 * h))
+    layers = int(shape.get("num_hidden_layers", 4))
+    vocab = int(shape.get("vocab_size", 1024))
+    ids = drafter.get("target_layer_ids") or []
+    n_target = len(ids) if ids else int(drafter.get("num_target_layers", 5))
+    dtype = str(model.get("dtype", "auto"))
+    if dtype == "auto":
+        dtype = "bfloat16" if spec.gpus > 0 else "float32"
+    dtype_bytes = 4 if dtype == "float32" else 2
+    drafter_params = int(drafter.get("num_layers", 5)) * _layer_params(h, inter, heads, kv, head_dim)
+    drafter_params += n_target * h * h
+    if kind == "pretrained":
+        target_bytes = model_bytes
+    else:
+        target_bytes = (layers * _layer_params(h, inter, heads, kv, head_dim) + 2 * vocab * h) * dtype_bytes
+    return RunNeeds(
+        config=spec.run.config,
+        known=True,
+        kind=kind,
+        model_path=str(model.get("path", "")),
+        hidden_size=h,
+        target_layers=n_target,
+        token_budget=int(data.get("token_budget", 4096)),
+        dtype_bytes=dtype_bytes,
+        drafter_params=drafter_params,
+        target_bytes=target_bytes,
+        keep_checkpoints=int(dict(raw.get("checkpoint", {})).get("keep", 2)),
+        notes=tuple(notes),
+    )
+
+
+# --- findings and the report -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check: its status and one line (what, where, and for a problem the fix)."""
+
+    area: str  # passthrough | driver | nccl | topology | health | bandwidth
+    check: str
+    status: Status
+    message: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.check}: {self.message}"
+        return f"{text}; fix: {self.fix}" if self.fix else text
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """A measured send/recv between one target and one drafter rank (``fab doctor --bandwidth``)."""
+
+    backend: str  # nccl | gloo
+    devices: tuple[str, ...]
+    bytes: int
+    iterations: int
+    seconds: tuple[float, ...]
+    gb_per_s: float
+    need_gb_per_s: float | None
+    tokens_per_s: float
+    hidden_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """`fab doctor`'s verdict for one target."""
+
+    target: str
+    where: str
+    gpus: int
+    findings: tuple[Finding, ...]
+    topology: str = ""  # the GPU rows of `nvidia-smi topo -m`
+    topology_from: str = ""  # where it ran: the Proxmox host or the target
+    bandwidth: Bandwidth | None = None
+    needs: RunNeeds | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def failures(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.status == "fail")
+
+    def summary(self) -> str:
+        """One line: the verdict, or the failed checks by name."""
+        if self.ok:
+            warns = sum(f.status == "warn" for f in self.findings)
+            return f"fit to train ({len(self.findings)} checks, {warns} warning(s))"
+        names = ", ".join(dict.fromkeys(f.check for f in self.failures))
+        return f"{len(self.failures)} problem(s): {names} (the FAIL lines above say what to do)"
+
+    def text(self, width: int = 140) -> str:
+        """A rich table of every check, the topology, then one plain line per problem and the verdict."""
+        out = Console(file=StringIO(), width=width, color_system=None, markup=False, highlight=False)
+        table = Table(title=f"fab doctor: {self.target} ({self.where})", title_justify="left")
+        for column in ("status", "area", "check", "finding"):
+            table.add_column(column, overflow="fold")
+        for f in self.findings:
+            table.add_row(f.status.upper(), f.area, f.check, f.message + (f"; fix: {f.fix}" if f.fix else ""))
+        out.print(table)
+        lines = [out.file.getvalue().rstrip("\n")]  # type: ignore[attr-defined]
+        if self.topology:
+            lines += [f"nvidia-smi topo -m, GPU rows ({self.topology_from}):", self.topology]
+        # one line each, never wrapped: what to grep for and what to do
+        lines += [f"{f.status.upper()} {f.line()}" for f in self.findings if f.status in ("fail", "warn")]
+        lines.append(f"{self.target}: {'OK' if self.ok else 'NOT FIT'}: {self.summary()}")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["lines"] = [f.line() for f in self.findings]
+        return json.dumps(data, indent=2, default=str)
+
+
+# --- evaluation (pure) -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the doctor scripts answered: the host's sections (None without a container) and the
+    container's (or the target's) sections."""
+
+    container: Mapping[str, Answer]
+    host: Mapping[str, Answer] | None = None
+
+
+def _text(parts: Mapping[str, Answer] | None, name: str) -> str:
+    answer = (parts or {}).get(name)
+    return answer.output if answer is not None and answer.exit_code == 0 else ""
+
+
+def _size(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / MIB:.0f} MiB" if n >= MIB else f"{n / 1024:.0f} KiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def evaluate(
+    spec: TargetSpec, facts: Facts, needs: RunNeeds, bandwidth: Bandwidth | Finding | None = None
+) -> DoctorReport:
+    """Every finding from the facts and the bandwidth probe's result (pure)."""
+    ct = facts.container
+    ct_config = parse_ct_config(_text(facts.host, "ct_config")) if facts.host is not None else None
+    findings: list[Finding] = []
+    if spec.gpus > 0:
+        findings += _passthrough(spec, facts, ct_config)
+        findings += _driver(spec, facts)
+    else:
+        findings.append(
+            Finding(
+                "gpu", "GPU checks", "skip", "gpus = 0: passthrough, driver, topology and health do not apply"
+            )
+        )
+    findings += _nccl(spec, ct, ct_config, needs)
+    topology = ""
+    if spec.gpus > 0:
+        smi = _smi_xml(facts)
+        topo_text = _text(facts.host, "topo") if facts.host is not None else _text(ct, "topo")
+        topology = "\n".join(
+            ANSI_RE.sub("", line).rstrip()
+            for line in topo_text.splitlines()
+            if line.strip().startswith("GPU")
+        )
+        findings += _topology(spec, facts, smi)
+        findings += _health(spec, facts, smi)
+    if isinstance(bandwidth, Finding):  # the probe could not measure
+        findings.append(bandwidth)
+        bandwidth = None
+    elif bandwidth is not None:
+        findings.append(_bandwidth_finding(bandwidth))
+    where = spec.container.display if spec.container else spec.display
+    topology_from = f"the host of {where}" if facts.host is not None else where
+    return DoctorReport(
+        spec.name, where, spec.gpus, tuple(findings), topology, topology_from, bandwidth, needs
+    )
+
+
+def _smi_xml(facts: Facts) -> SmiXml | None:
+    text = _text(facts.host, "smi_xml") if facts.host is not None else _text(facts.container, "smi_xml")
+    if not text:
+        text = _text(facts.container, "smi_xml")
+    try:
+        return parse_smi_xml(text) if text else None
+    except FleetError:
+        return None
+
+
+def _device_numbers(
+    path: str, ct_nodes: Mapping[str, Node], host_nodes: Mapping[str, Node], majors: Mapping[str, int]
+) -> tuple[int, int | None] | None:
+    for nodes in (ct_nodes, host_nodes):
+        node = nodes.get(path)
+        if node is not None and node.major is not None:
+            return node.major, node.minor
+    if m := GPU_NODE_RE.match(path):
+        return majors.get("nvidia", 195), int(m.group(1))
+    uvm = majors.get("nvidia-uvm")
+    return {
+        "/dev/nvidiactl": (majors.get("nvidia", 195), 255),
+        "/dev/nvidia-uvm": (uvm, 0) if uvm is not None else None,
+        "/dev/nvidia-uvm-tools": (uvm, 1) if uvm is not None else None,
+        CAPS_DIR: (majors["nvidia-caps"], None) if "nvidia-caps" in majors else None,
+    }.get(path)
+
+
+def _mount_line(path: str) -> str:
+    create = "dir" if path == CAPS_DIR else "file"
+    return f'"lxc.mount.entry: {path} {path.lstrip("/")} none bind,optional,create={create}"'
+
+
+def _passthrough(spec: TargetSpec, facts: Facts, ct_config: CtConfig | None) -> list[Finding]:
+    """Container config lines (host side) and the device nodes the container has."""
+    findings: list[Finding] = []
+    ct_nodes = parse_nodes(_text(facts.container, "nodes"))
+    gpu_nodes = sorted(
+        (int(m.group(1)), p) for p, n in ct_nodes.items() if (m := GPU_NODE_RE.match(p)) and n.kind == "char"
+    )
+    where = spec.container.display if spec.container else spec.display
+    if spec.container is not None and facts.host is not None:
+        findings += _config_lines(spec, facts, ct_config, ct_nodes)
+    # the device nodes the run opens
+    shown = ", ".join(p for _, p in gpu_nodes) or "none"
+    if len(gpu_nodes) < spec.gpus:
+        fix = (
+            "pass the GPUs through (see the passthrough findings) and restart the container"
+            if spec.container
+            else f"load the NVIDIA driver (nvidia-smi creates the nodes) or fix targets.{spec.name}.gpus"
+        )
+        findings.append(
+            Finding(
+                "passthrough",
+                "GPU device nodes",
+                "fail",
+                f"{where} has {len(gpu_nodes)} GPU device node(s) ({shown}), gpus = {spec.gpus}",
+                fix,
+            )
+        )
+    else:
+        findings.append(
+            Finding(
+                "passthrough",
+                "GPU device nodes",
+                "ok",
+                f"{where} has {len(gpu_nodes)} ({shown}), gpus = {spec.gpus}",
+            )
+        )
+    host_nodes = parse_nodes(_text(facts.host, "nodes")) if facts.host is not None else {}
+    missing = [p for p in CONTROL_NODES if ct_nodes.get(p, Node(p, "", None, None)).kind != "char"]
+    for path in missing:
+        if spec.container is None:
+            fix = "load nvidia_uvm (`nvidia-modprobe -u -c=0`)" if "uvm" in path else "load the NVIDIA driver"
+        elif facts.host is not None and path not in host_nodes:
+            fix = (
+                f"the host has no {path} either: run `nvidia-modprobe -u -c=0` on the host, "
+                "then restart the container"
+            )
+        else:
+            fix = f"add {_mount_line(path)} to the container config and restart it"
+        findings.append(Finding("passthrough", path, "fail", f"{where} has no {path}", fix))
+    if not missing:
+        findings.append(
+            Finding("passthrough", "control nodes", "ok", f"{where} has {', '.join(CONTROL_NODES)}")
+        )
+    return findings
+
+
+def _config_lines(
+    spec: TargetSpec, facts: Facts, ct_config: CtConfig | None, ct_nodes: Mapping[str, Node]
+) -> list[Finding]:
+    assert spec.container is not None
+    label = f"pct config {spec.container.id}" if spec.container.type == "pct" else "the LXC config"
+    conf_file = (
+        f"/etc/pve/lxc/{spec.container.id}.conf"
+        if spec.container.type == "pct"
+        else f"/var/lib/lxc/{spec.container.name}/config"
+    )
+    config_answer = (facts.host or {}).get("ct_config")
+    if ct_config is None or config_answer is None or config_answer.exit_code != 0:
+        why = tail_lines(config_answer.output, 1) if config_answer else "no answer"
+        return [
+            Finding(
+                "passthrough",
+                "container config",
+                "fail",
+                f"`{label}` failed: {why}",
+                f"check commands.pct and that {spec.container.display} exists on the host",
+            )
+        ]
+    findings: list[Finding] = []
+    mounted = mounted_paths(ct_config)
+    devs = dev_entries(ct_config)
+    rules = parse_device_rules(ct_config)
+    cgroup2 = _text(facts.host, "cgroupfs").strip() == "cgroup2fs"
+    host_nodes = parse_nodes(_text(facts.host, "nodes"))
+    majors = parse_proc_devices(_text(facts.host, "proc_devices"))
+    gpu_paths = sorted((int(m.group(1)), p) for p in mounted if (m := GPU_NODE_RE.match(p)))
+    if len(gpu_paths) < spec.gpus:
+        have = {i for i, _ in gpu_paths}
+        add = [f"/dev/nvidia{i}" for i in range(spec.gpus + len(gpu_paths)) if i not in have]
+        add = add[: spec.gpus - len(gpu_paths)]
+        findings.append(
+            Finding(
+                "passthrough",
+                "GPU mount entries",
+                "fail",
+                f"{label} passes {len(gpu_paths)} GPU(s) "
+                f"({', '.join(p for _, p in gpu_paths) or 'none'}), gpus = {spec.gpus}: "
+                f"no lxc.mount.entry for {', '.join(add)}",
+                f"add {', '.join(_mount_line(p) for p in add)} to {conf_file} and restart the container",
+            )
+        )
+    else:
+        findings.append(
+            Finding(
+                "passthrough",
+                "GPU mount entries",
+                "ok",
+                f"{label} passes {', '.join(p for _, p in gpu_paths)}",
+            )
+        )
+    required = [p for _, p in gpu_paths] + list(CONTROL_NODES)
+    for path in [*CONTROL_NODES, CAPS_DIR]:
+        if path not in mounted:
+            status: Status = "warn" if path == CAPS_DIR else "fail"
+            why = " (only MIG and some capabilities need it)" if path == CAPS_DIR else ""
+            findings.append(
+                Finding(
+                    "passthrough",
+                    f"{path} mount entry",
+                    status,
+                    f"{label} has no lxc.mount.entry for {path}{why}",
+                    f"add {_mount_line(path)} to {conf_file} and restart the container",
+                )
+            )
+    # cgroup rules: every device the run opens must be readable and writable
+    caps_nodes = [p for p in {**host_nodes, **ct_nodes} if p.startswith(CAPS_DIR + "/")]
+    checked = [p for p in required if p in mounted] + sorted(set(caps_nodes))
+    if CAPS_DIR in mounted and not caps_nodes:
+        checked.append(CAPS_DIR)
+    usable = [r for r in rules if not (cgroup2 and r.cgroup_v1)]
+    not_allowed: list[str] = []
+    v1_only: list[str] = []
+    unknown: list[str] = []
+    for path in checked:
+        if path in devs:
+            continue
+        numbers = _device_numbers(path, ct_nodes, host_nodes, majors)
+        if path.startswith(CAPS_DIR + "/") and numbers is None:
+            numbers = (majors["nvidia-caps"], None) if "nvidia-caps" in majors else None
+        if numbers is None:
+            unknown.append(path)
+            continue
+        major, minor = numbers
+        if any(r.allows(major, minor) for r in usable):
+            continue
+        if any(r.allows(major, minor) for r in rules):
+            v1_only.append(path)
+        else:
+            not_allowed.append(f"{path} (c {major}:{'*' if minor is None else minor})")
+    if v1_only:
+        findings.append(
+            Finding(
+                "passthrough",
+                "cgroup v1 device rules",
+                "fail",
+                f"{label} allows {', '.join(v1_only)} only with lxc.cgroup.devices.allow, which this "
+                "cgroup v2 host ignores",
+                f"rename those lines to lxc.cgroup2.devices.allow in {conf_file} and restart the container",
+            )
+        )
+    if not_allowed:
+        majors_needed = sorted({p.split("(c ")[1].split(":")[0] for p in not_allowed})
+        lines = ", ".join(f'"lxc.cgroup2.devices.allow: c {m}:* rwm"' for m in majors_needed)
+        findings.append(
+            Finding(
+                "passthrough",
+                "cgroup device rules",
+                "fail",
+                f"{label} has no lxc.cgroup2.devices.allow rule for {', '.join(not_allowed)}: "
+                "CUDA cannot open them",
+                f"add {lines} to {conf_file} and restart the container",
+            )
+        )
+    if unknown:
+        findings.append(
+            Finding(
+                "passthrough",
+                "cgroup device rules",
+                "warn",
+                f"cannot check the cgroup rules for {', '.join(unknown)}: their device numbers are unknown "
+                "(no node on the host or in the container)",
+                "load nvidia_uvm on the host (`nvidia-modprobe -u -c=0`)",
+            )
+        )
+    if not v1_only and not not_allowed and not unknown:
+        findings.append(
+            Finding(
+                "passthrough",
+                "cgroup device rules",
+                "ok",
+                f"{label} allows {len(checked)} NVIDIA device(s)"
+                f" ({'cgroup v2' if cgroup2 else 'host cgroup'})",
+            )
+        )
+    return findings
+
+
+def _driver(spec: TargetSpec, facts: Facts) -> list[Finding]:
+    findings: list[Finding] = []
+    ct = facts.container
+    where = spec.container.display if spec.container else spec.display
+    smi = _smi_xml(facts)
+    module, source = None, ""
+    for parts, label in (
+        (ct, "/proc/driver/nvidia/version"),
+        (facts.host, "the host's /proc/driver/nvidia/version"),
+    ):
+        if parts is not None and (version := parse_module_version(_text(parts, "module"))):
+            module, source = version, label
+            break
+    if module is None and smi is not None and smi.driver_version:
+        module, source = smi.driver_version, "nvidia-smi driver_version"
+    libs = parse_libs(_text(ct, "libs"))
+    ct_smi = ct.get("smi_xml")
+    if ct_smi is not None and ct_smi.exit_code != 0 and "version mismatch" in ct_smi.output.lower():
+        findings.append(
+            Finding(
+                "driver",
+                "NVML in the container",
+                "fail",
+                f"nvidia-smi in {where}: {smi_failure(ct_smi, spec.commands.nvidia_smi)}",
+                f"install the user-space driver {module or '(the host module version)'} without its kernel "
+                "module in the container",
+            )
+        )
+    if module is None:
+        findings.append(
+            Finding(
+                "driver",
+                "kernel module",
+                "fail",
+                "no NVIDIA kernel module version (/proc/driver/nvidia/version "
+                "missing and nvidia-smi gave none)",
+                "load the NVIDIA driver on the host (`nvidia-smi` there)",
+            )
+        )
+    for lib in ("libnvidia-ml", "libcuda"):
+        loaded = libs.loaded.get(lib)
+        all_versions = libs.versions.get(lib, ())
+        if loaded is None:
+            detail = (
+                f" (versions on disk: {', '.join(all_versions)}, no {lib}.so.1 link)" if all_versions else ""
+            )
+            findings.append(
+                Finding(
+                    "driver",
+                    f"{lib}.so",
+                    "fail",
+                    f"{where} has no usable {lib}.so.*{detail}",
+                    f"install the host's user-space driver{' ' + module if module else ''} without the "
+                    "kernel module (NVIDIA-Linux-x86_64-<version>.run --no-kernel-module, or the distro's "
+                    "matching packages)",
+                )
+            )
+        elif module is not None and loaded != module:
+            findings.append(
+                Finding(
+                    "driver",
+                    f"{lib}.so",
+                    "fail",
+                    f"{where}'s {lib}.so.{loaded} does not match the kernel module {module} ({source}): "
+                    'NVML fails with "Driver/library version mismatch"',
+                    f"install the {module} user-space driver in the container (same version as the host, "
+                    "without the kernel module)",
+                )
+            )
+        else:
+            stale = [v for v in all_versions if v != loaded]
+            status: Status = "warn" if stale else "ok"
+            extra = f"; other versions on disk: {', '.join(stale)}" if stale else ""
+            fix = f"remove the stale {lib}.so.{stale[0]} files" if stale else ""
+            findings.append(
+                Finding(
+                    "driver",
+                    f"{lib}.so",
+                    status,
+                    f"{lib}.so.{loaded} matches the kernel module {module}{extra}",
+                    fix,
+                )
+            )
+    findings.append(_torch_cuda(spec, ct, smi))
+    return findings
+
+
+def _torch_cuda(spec: TargetSpec, ct: Mapping[str, Answer], smi: SmiXml | None) -> Finding:
+    if not spec.env:
+        return Finding("driver", "torch CUDA build", "skip", 'no managed env (env = ""): not checked')
+    answer = ct.get("env")
+    if answer is None or answer.exit_code != 0:
+        return Finding(
+            "driver", "torch CUDA build", "skip", f"env {spec.env} is not built yet (`fab deploy` builds it)"
+        )
+    try:
+        manifest = json.loads(answer.output)
+    except json.JSONDecodeError:
+        return Finding(
+            "driver",
+            "torch CUDA build",
+            "warn",
+            f"env {spec.env}'s manifest is unreadable",
+            "run `fab env-rebuild`",
+        )
+    torch, torch_cuda = str(manifest.get("torch", "")), str(manifest.get("torch_cuda", ""))
+    if not torch:
+        return Finding("driver", "torch CUDA build", "skip", f"env {spec.env} has no torch")
+    if not torch_cuda or torch_cuda == "None":
+        return Finding(
+            "driver",
+            "torch CUDA build",
+            "fail",
+            f"env {spec.env} has torch {torch}, a CPU-only build",
+            f"lock a CUDA build of torch in envs/{spec.env} (see envs/README.md), then `fab env-rebuild`",
+        )
+    driver = None
+    if smi is not None and smi.cuda_version and re.match(r"^\d+\.\d+", smi.cuda_version):
+        major, minor = smi.cuda_version.split(".")[:2]
+        driver = (int(major), int(minor))
+    if driver is None:
+        return Finding(
+            "driver",
+            "torch CUDA build",
+            "warn",
+            f"torch {torch} (CUDA {torch_cuda}): the driver's CUDA "
+            "version is unknown (nvidia-smi -q -x gave none)",
+            "check `nvidia-smi` on the host",
+        )
+    why = cuda_mismatch(torch_cuda, driver)
+    if why:
+        return Finding(
+            "driver",
+            "torch CUDA build",
+            "fail",
+            f"env {spec.env}: {why.split('; ')[0]}",
+            why.split("; ", 1)[1] if "; " in why else "",
+        )
+    return Finding(
+        "driver",
+        "torch CUDA build",
+        "ok",
+        f"torch {torch} is built for CUDA {torch_cuda}, the driver supports {driver[0]}.{driver[1]}",
+    )
+
+
+def _nccl(
+    spec: TargetSpec, ct: Mapping[str, Answer], ct_config: CtConfig | None, needs: RunNeeds
+) -> list[Finding]:
+    findings: list[Finding] = []
+    where = spec.container.display if spec.container else spec.display
+    on_gpu = spec.gpus > 0
+    # /dev/shm
+    shm = parse_df(_text(ct, "shm"))
+    shm_fix = (
+        'give the container a bigger /dev/shm, e.g. "lxc.mount.entry: tmpfs dev/shm tmpfs '
+        'size=16G,nosuid,nodev,create=dir 0 0" in its config, then restart it'
+        if spec.container
+        else "remount /dev/shm bigger (`mount -o remount,size=16G /dev/shm`)"
+    )
+    if shm is None:
+        findings.append(
+            Finding(
+                "nccl",
+                "/dev/shm",
+                "fail" if on_gpu else "warn",
+                f"{where} has no /dev/shm (NCCL's shared-memory transport needs it)",
+                shm_fix,
+            )
+        )
+    elif shm[0] < SHM_MIN_BYTES:
+        findings.append(
+            Finding(
+                "nccl",
+                "/dev/shm",
+                "fail" if on_gpu else "warn",
+                f"/dev/shm in {where} is {_size(shm[0])}, NCCL and DataLoader workers need >= "
+                f"{_size(SHM_MIN_BYTES)}",
+                shm_fix,
+            )
+        )
+    else:
+        findings.append(Finding("nccl", "/dev/shm", "ok", f"{_size(shm[0])} ({_size(shm[1])} free)"))
+    # ulimits
+    limits = parse_keyed(_text(ct, "ulimit"))
+    memlock = limits.get("memlock", "?")
+    if memlock == "unlimited" or (memlock.isdigit() and int(memlock) >= MEMLOCK_MIN_KIB):
+        findings.append(Finding("nccl", "ulimit -l", "ok", f"memlock {memlock}"))
+    elif not on_gpu:
+        findings.append(
+            Finding("nccl", "ulimit -l", "skip", f"memlock {memlock} KiB; a CPU run does not use NCCL")
+        )
+    else:
+        findings.append(
+            Finding(
+                "nccl",
+                "ulimit -l",
+                "warn",
+                f"memlock is {memlock} KiB: NCCL over InfiniBand/RDMA cannot register its buffers "
+                "(NVLink/PCIe within one host do not need it)",
+                "raise the memlock limit to unlimited where fleet starts runs (the SSH session on the host: "
+                "/etc/security/limits.conf `* - memlock unlimited`)",
+            )
+        )
+    nofile = limits.get("nofile", "?")
+    n = int(nofile) if nofile.isdigit() else (10**9 if nofile == "unlimited" else None)
+    nofile_fix = (
+        "raise nofile (`* - nofile 1048576` in /etc/security/limits.conf on the host, new SSH session)"
+    )
+    if n is None or n < NOFILE_FAIL:
+        findings.append(
+            Finding(
+                "nccl",
+                "ulimit -n",
+                "fail",
+                f"nofile is {nofile}: torch workers and NCCL run out of file descriptors",
+                nofile_fix,
+            )
+        )
+    elif n < NOFILE_WARN:
+        findings.append(
+            Finding("nccl", "ulimit -n", "warn", f"nofile is {nofile} (< {NOFILE_WARN})", nofile_fix)
+        )
+    else:
+        findings.append(Finding("nccl", "ulimit -n", "ok", f"nofile {nofile}"))
+    # hostname
+    host = _text(ct, "hostname").strip() or "?"
+    resolved = ct.get("resolve")
+    if resolved is None or resolved.exit_code != 0 or not resolved.output.strip():
+        findings.append(
+            Finding(
+                "nccl",
+                "hostname",
+                "fail",
+                f"the hostname {host!r} of {where} does not resolve: torchrun's rendezvous hangs",
+                f'add "127.0.1.1 {host}" to /etc/hosts in {where}',
+            )
+        )
+    else:
+        findings.append(Finding("nccl", "hostname", "ok", f"{host} resolves to {resolved.output.split()[0]}"))
+    findings.append(_disk(spec, ct, needs))
+    findings.append(_memory(spec, ct, ct_config, needs, where))
+    return findings
+
+
+def _disk(spec: TargetSpec, ct: Mapping[str, Answer], needs: RunNeeds) -> Finding:
+    disk = parse_df(_text(ct, "disk"))
+    if disk is None:
+        return Finding(
+            "nccl",
+            "disk",
+            "fail",
+            f"cannot read the free space under {spec.workdir} "
+            f"({tail_lines(ct.get('disk', Answer(1, '')).output, 1)})",
+            f"create {spec.workdir} or fix targets.{spec.name}.workdir",
+        )
+    _, avail, mount = disk
+    if not needs.known:
+        need = COMPILE_CACHE_RESERVE
+        what = (
+            f"compile cache {_size(COMPILE_CACHE_RESERVE)} (run config {needs.config!r} not found here: "
+            "checkpoints not estimated)"
+        )
+    else:
+        env_missing = bool(spec.env) and "env" in ct and ct["env"].exit_code != 0
+        ckpt = needs.checkpoint_bytes * (needs.keep_checkpoints + 1)
+        need = ckpt + COMPILE_CACHE_RESERVE + (ENV_RESERVE if env_missing else 0)
+        what = (
+            f"{needs.keep_checkpoints}+1 checkpoints x {_size(needs.checkpoint_bytes)} "
+            f"({_count(needs.drafter_params)} drafter params x {CHECKPOINT_BYTES_PER_PARAM} B)"
+            " + compile cache "
+            f"{_size(COMPILE_CACHE_RESERVE)}" + (f" + env {_size(ENV_RESERVE)}" if env_missing else "")
+        )
+    if avail < need:
+        return Finding(
+            "nccl",
+            "disk",
+            "fail",
+            f"{_size(avail)} free on {mount} (workdir {spec.workdir}), the run needs ~{_size(need)}: {what}",
+            f"free space on {mount} or move the workdir to a bigger volume",
+        )
+    return Finding("nccl", "disk", "ok", f"{_size(avail)} free on {mount}, needs ~{_size(need)} ({what})")
+
+
+def _memory(
+    spec: TargetSpec, ct: Mapping[str, Answer], ct_config: CtConfig | None, needs: RunNeeds, where: str
+) -> Finding:
+    limit = memory_limit(ct_config, _text(ct, "memory"))
+    if limit is None:
+        return Finding("nccl", "memory", "warn", f"cannot read the memory limit of {where}", "")
+    limit_bytes, source = limit
+    if not needs.known:
+        return Finding(
+            "nccl",
+            "memory",
+            "skip",
+            f"{_size(limit_bytes)} ({source}); run config {needs.config!r} not found here: "
+            "need not estimated",
+        )
+    ranks = max(spec.gpus, 1)
+    # A pretrained target is read through host memory (page cache); on CPU the model lives there.
+    model = needs.target_bytes or 0
+    host_model = model if (needs.kind == "pretrained" or spec.gpus == 0) else 0
+    need = host_model + ranks * RANK_OVERHEAD
+    fix_where = (
+        f"`pct set {spec.container.id} -memory <MiB>`"
+        if spec.container and spec.container.type == "pct"
+        else "more memory"
+    )
+    if needs.kind == "pretrained" and needs.target_bytes is None:
+        return Finding(
+            "nccl",
+            "memory",
+            "fail" if needs.model_path else "warn",
+            f"the target model {needs.model_path or '(model.path unset)'} is not readable in {where}",
+            "copy the model folder there or fix --model.path",
+        )
+    detail = f"{ranks} process(es) x {_size(RANK_OVERHEAD)}"
+    detail = (
+        f"target weights {_size(host_model)} + {detail}"
+        if host_model
+        else f"{detail}; the target is built on the GPU"
+    )
+    if limit_bytes < need:
+        return Finding(
+            "nccl",
+            "memory",
+            "fail",
+            f"memory limit {_size(limit_bytes)} ({source}) < ~{_size(need)} needed ({detail})",
+            f"raise it: {fix_where}",
+        )
+    return Finding("nccl", "memory", "ok", f"{_size(limit_bytes)} ({source}) >= ~{_size(need)} ({detail})")
+
+
+def _roles(spec: TargetSpec) -> tuple[list[int], list[int]]:
+    if spec.topology is None:
+        return [], []
+    targets = list(range(spec.topology.targets))
+    return targets, list(range(spec.topology.targets, spec.topology.world_size))
+
+
+def _host_index(spec: TargetSpec, facts: Facts, smi: SmiXml | None) -> dict[int, int]:
+    """Container GPU index -> host GPU index: the container numbers the GPUs it was given (its
+    /dev/nvidiaN minors) in PCI bus order, as the host does."""
+    if facts.host is None or smi is None:
+        return {i: i for i in range(spec.gpus)}
+    minors = sorted(
+        n.minor
+        for p, n in parse_nodes(_text(facts.container, "nodes")).items()
+        if GPU_NODE_RE.match(p) and n.minor is not None
+    )
+    by_minor = {g.minor: g for g in smi.gpus if g.minor is not None}
+    given = [by_minor[m] for m in minors if m in by_minor]
+    if len(given) != len(minors) or not given:
+        return {i: i for i in range(spec.gpus)}
+    ordered = sorted(given, key=lambda g: g.bus_id or "")
+    return {i: g.index for i, g in enumerate(ordered)}
+
+
+def _topology(spec: TargetSpec, facts: Facts, smi: SmiXml | None) -> list[Finding]:
+    targets, drafters = _roles(spec)
+    if not targets:
+        return [Finding("topology", "target <-> drafter links", "skip", "no N+M topology configured")]
+    parts = facts.host if facts.host is not None else facts.container
+    topo, p2p = (parts or {}).get("topo"), (parts or {}).get("p2p")
+    if topo is None or topo.exit_code != 0:
+        why = tail_lines(topo.output, 1) if topo else "not run"
+        return [
+            Finding(
+                "topology",
+                "target <-> drafter links",
+                "warn",
+                f"`nvidia-smi topo -m` failed: {why}",
+                "run `fab doctor --bandwidth` to measure the link instead",
+            )
+        ]
+    links = parse_gpu_matrix(topo.output)
+    p2p_cells = parse_gpu_matrix(p2p.output) if p2p is not None and p2p.exit_code == 0 else {}
+    index = _host_index(spec, facts, smi)
+    pairs = [(t, d) for t in targets for d in drafters]
+    kinds: dict[str, int] = {}
+    no_p2p = []
+    for t, d in pairs:
+        ht, hd = index.get(t, t), index.get(d, d)
+        link = links.get((ht, hd), "?")
+        kinds[link] = kinds.get(link, 0) + 1
+        status = p2p_cells.get((ht, hd))
+        if p2p_cells and status != "OK":
+            no_p2p.append(f"GPU{ht}<->GPU{hd}: {status or '?'} over {link}")
+    summary = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+    roles = f"targets {_span(targets)} <-> drafters {_span(drafters)}"
+    if no_p2p:
+        return [
+            Finding(
+                "topology",
+                "P2P target <-> drafter",
+                "warn",
+                f"{roles}: no GPU peer-to-peer for {len(no_p2p)}/{len(pairs)} pair(s) "
+                f"({'; '.join(no_p2p[:4])}): "
+                "NCCL stages the hidden states through host memory",
+                "measure what the run gets with `fab doctor --bandwidth`; a box with NVLink or P2P-capable "
+                "GPUs avoids it",
+            )
+        ]
+    p2p_note = "P2P read OK" if p2p_cells else "P2P status unknown (`topo -p2p r` gave none)"
+    return [Finding("topology", "target <-> drafter links", "ok", f"{roles}: {summary}; {p2p_note}")]
+
+
+def _span(ids: Sequence[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def _health(spec: TargetSpec, facts: Facts, smi: SmiXml | None) -> list[Finding]:
+    if smi is None:
+        parts = facts.host if facts.host is not None else facts.container
+        answer = (parts or {}).get("smi_xml")
+        why = smi_failure(answer, spec.commands.nvidia_smi) if answer is not None else None
+        return [
+            Finding(
+                "health",
+                "GPU clocks and health",
+                "fail" if why else "warn",
+                f"`nvidia-smi -q -x` gave no answer: {why or 'not run'}",
+                "check `nvidia-smi` on the host",
+            )
+        ]
+    findings = []
+    for gpu in smi.gpus:
+        problems: list[tuple[Status, str, str]] = []
+        if gpu.persistence is False:
+            problems.append(
+                (
+                    "warn",
+                    "persistence mode off (each process pays the driver start-up, the GPU may "
+                    "reset its clocks)",
+                    "`nvidia-smi -pm 1` on the host, or enable nvidia-persistenced",
+                )
+            )
+        if gpu.slowdowns:
+            problems.append(
+                (
+                    "warn",
+                    f"clocks held back: {', '.join(gpu.slowdowns)}",
+                    "check cooling and power limits (`nvidia-smi -q -d PERFORMANCE` on the host)",
+                )
+            )
+        if gpu.ecc_enabled is False:
+            problems.append(
+                ("warn", "ECC is off", "`nvidia-smi -e 1` on the host and reboot, if the GPU supports it")
+            )
+        if gpu.ecc_uncorrected:
+            problems.append(
+                (
+                    "fail",
+                    f"{gpu.ecc_uncorrected} uncorrected volatile ECC error(s)",
+                    "reset the GPU (`nvidia-smi -r`) or reboot the host",
+                )
+            )
+        h = gpu.health
+        if h is not None and h.remap_failure:
+            problems.append(("fail", "row remapping failed", "the GPU needs service"))
+        if h is not None and (h.remap_pending or h.retirement_pending):
+            problems.append(
+                ("fail", "remapped rows / page retirement pending", "reset the GPU to apply them")
+            )
+        state = (
+            f"persistence {'on' if gpu.persistence else 'off' if gpu.persistence is False else '?'}, "
+            f"ECC {'on' if gpu.ecc_enabled else 'off' if gpu.ecc_enabled is False else '?'}, "
+            f"{gpu.ecc_uncorrected or 0} uncorrected, "
+            f"{'slowdown: ' + ', '.join(gpu.slowdowns) if gpu.slowdowns else 'no slowdown'}"
+        )
+        check = f"GPU {gpu.index} ({gpu.name})"
+        if not problems:
+            findings.append(Finding("health", check, "ok", state))
+        else:
+            worst: Status = "fail" if any(p[0] == "fail" for p in problems) else "warn"
+            findings.append(
+                Finding(
+                    "health",
+                    check,
+                    worst,
+                    "; ".join(p[1] for p in problems),
+                    "; ".join(p[2] for p in problems),
+                )
+            )
+    return findings
+
+
+def _bandwidth_finding(bw: Bandwidth) -> Finding:
+    devices = " -> ".join(bw.devices)
+    measured = f"{bw.gb_per_s:.1f} GB/s ({bw.backend}, {devices}, {_size(bw.bytes)} x {bw.iterations})"
+    if bw.backend != "nccl" or bw.need_gb_per_s is None:
+        return Finding("bandwidth", "send/recv", "ok", f"{measured}: CPU processes over gloo, not a GPU link")
+    need = (
+        f"the run needs {bw.need_gb_per_s:.2f} GB/s ({bw.hidden_bytes_per_token} B of hidden states "
+        "per token x "
+        f"{bw.tokens_per_s:,.0f} tokens/s)"
+    )
+    if bw.gb_per_s < bw.need_gb_per_s:
+        return Finding(
+            "bandwidth",
+            "send/recv",
+            "fail",
+            f"{measured} < {need}",
+            "use GPUs with NVLink / P2P between targets and drafters, or plan fewer tokens/s",
+        )
+    return Finding("bandwidth", "send/recv", "ok", f"{measured} >= {need}")
+
+
+# --- on a target ---------------------------------------------------------------------------------------
+
+
+def probe(target: Target, needs_model: str = "") -> Facts:
+    """Run the doctor scripts: on the host (container targets), then where the run runs."""
+    spec = target.spec
+    timeout = f"{spec.gpu_gate.timeout_s:g}"
+    smi = spec.commands.nvidia_smi
+    budget = 4 * spec.gpu_gate.timeout_s + 60
+    host = None
+    if spec.container is not None:
+        ct_id = str(spec.container.id) if spec.container.type == "pct" else str(spec.container.name)
+        argv = remote.sh(
+            "doctor_host.sh",
+            spec.container.type,
+            ct_id,
+            spec.commands.pct,
+            smi,
+            timeout,
+            "1" if spec.gpus > 0 else "0",
+        )
+        host = parse_sections(target.run(argv, timeout=budget, where="host").stdout)
+    manifest = (
+        posixpath.join(spec.layout.env_current(spec.env), "fleet-env", "manifest.json") if spec.env else ""
+    )
+    gpu = "none" if spec.gpus == 0 else ("ct" if spec.container is not None else "all")
+    argv = remote.sh("doctor_container.sh", smi, timeout, spec.workdir, manifest, needs_model, gpu)
+    container = parse_sections(target.run(argv, timeout=budget).stdout)
+    return Facts(container, host)
+
+
+def measure_bandwidth(
+    target: Target, needs: RunNeeds, tokens_per_s: float, timeout_s: float = 600
+) -> Bandwidth | Finding:
+    """``fleet/remote/doctor_bandwidth.py`` in the target's env: one target rank sends a batch of hidden
+    states to one drafter rank (NCCL between the two GPUs; gloo between two CPU processes). A probe
+    that cannot run is a failed :class:`Finding` (the rest of the report still stands)."""
+    spec = target.spec
+    if spec.gpus == 1:
+        return Finding(
+            "bandwidth", "send/recv", "skip", "gpus = 1: a send/recv needs a target and a drafter GPU"
+        )
+    targets, drafters = _roles(spec)
+    t_gpu, d_gpu = (targets[0], drafters[0]) if targets else (0, 1)
+    per_token = needs.hidden_bytes_per_token if needs.known else 5 * 5120 * 2
+    size = needs.batch_hidden_bytes if needs.known else 65536 * per_token
+    args = ["--bytes", str(size), "--timeout", f"{timeout_s:g}"]
+    args += ["--gpus", f"{t_gpu},{d_gpu}"] if spec.gpus > 0 else ["--cpu"]
+    # The run's own environment (e.g. NCCL_* settings of the inventory's run.env) on stdin, as for
+    # the run itself: never in argv (`ps`); the probe is the `-c` program (nothing is deployed).
+    argv = [spec.run_python, "-I", "-c", remote.script("doctor_bandwidth.py"), *args]
+    res = runs.run_with_env(target, argv, in_current=False, timeout=timeout_s + 60)
+    try:
+        data = json.loads(res.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        data = {}
+    if res.exit_code != 0 or "gb_per_s" not in data:
+        why = data.get("error") or tail_lines(res.stderr or res.stdout, 2) or f"exit {res.exit_code}"
+        if res.exit_code in (126, 127):
+            return Finding("bandwidth", "send/recv", "fail", f"{spec.run_python} does not run ({why})",
+                           "`fab deploy` builds the env")  # fmt: skip
+        fix = (
+            f"install torch in {spec.run_python} or use a managed env (targets.{spec.name}.env)"
+            if "No module named 'torch'" in why
+            else "NCCL_DEBUG=INFO in the target's run.env shows why NCCL failed"
+        )
+        return Finding("bandwidth", "send/recv", "fail", f"the probe failed ({spec.run_python}): {why}", fix)
+    need = per_token * tokens_per_s / 1e9 if spec.gpus > 0 else None
+    return Bandwidth(
+        backend=str(data["backend"]),
+        devices=tuple(data.get("devices", ())),
+        bytes=int(data["bytes"]),
+        iterations=int(data["iterations"]),
+        seconds=tuple(float(s) for s in data.get("seconds", ())),
+        gb_per_s=float(data["gb_per_s"]),
+        need_gb_per_s=need,
+        tokens_per_s=tokens_per_s,
+        hidden_bytes_per_token=per_token,
+    )
+
+
+def _model_facts(facts: Facts) -> tuple[dict[str, Any] | None, int | None]:
+    config = None
+    try:
+        loaded = json.loads(_text(facts.container, "model_config") or "null")
+        config = loaded if isinstance(loaded, dict) else None
+    except json.JSONDecodeError:
+        config = None
+    size = _text(facts.container, "model_bytes").split()
+    return config, (int(size[0]) * 1024 if size and size[0].isdigit() else None)
+
+
+def check(
+    target: Target, repo_root: Path, *, bandwidth: bool = False, tokens_per_s: float = DEFAULT_TOKENS_PER_S
+) -> DoctorReport:
+    """Probe the target (one command per location) and judge; ``bandwidth`` adds the measured probe."""
+    spec = target.spec
+    raw = read_run_config(repo_root, spec)
+    model_path = str(dict(raw.get("model", {})).get("path", "")) if raw else ""
+    kind = str(dict(raw.get("model", {})).get("kind", "")) if raw else ""
+    facts = probe(target, model_path if kind == "pretrained" else "")
+    model_config, model_bytes = _model_facts(facts)
+    needs = run_needs(spec, raw, model_config, model_bytes)
+    bw = measure_bandwidth(target, needs, tokens_per_s) if bandwidth else None
+    return evaluate(spec, facts, needs, bw)
+
+
+def doctor_task(
+    target: Target,
+    repo_root: Path,
+    *,
+    as_json: bool = False,
+    bandwidth: bool = False,
+    tokens_per_s: float = DEFAULT_TOKENS_PER_S,
+) -> str:
+    """``fab doctor``: the report; prints it and raises ``FleetError`` (exit 1) when a check failed."""
+    report = check(target, repo_root, bandwidth=bandwidth, tokens_per_s=tokens_per_s)
+    out = report.to_json() if as_json else report.text()
+    if report.ok:
+        return out
+    print(out.rstrip("\n"), flush=True)
+    raise FleetError(f"{report.target}: not fit to train: {report.summary()}")

@@ -1,0 +1,126 @@
+"""Data: loss only on completion / assistant tokens; local JSONL + Parquet through `datasets`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from training.config import ConfigError, DataSection
+from training.data.buckets import Position
+from training.data.corpus import build_default_corpus, chunk_file
+from training.data.dataset import (
+    TrainData,
+    load_tokenized,
+    tokenize_chat,
+    tokenize_completion,
+    tokenize_record,
+)
+from training.model.tinymodel import train_tokenizer
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "The user asks a question and the assistant answers it.\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXTS, vocab_size=300)
+
+
+def masked_text(tokenizer, ids: list[int], mask: list[int]) -> str:
+    return tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+
+
+def test_completion_mask_covers_exactly_the_completion_and_eos(tokenizer) -> None:
+    ids, mask = tokenize_completion(tokenizer, "def add(a, b):\n", "    return a + b\n")
+    assert len(ids) == len(mask)
+    first = mask.index(1)
+    assert all(m == 0 for m in mask[:first]) and all(m == 1 for m in mask[first:])
+    assert tokenizer.decode(ids[:first]) == "def add(a, b):\n"
+    assert ids[-1] == tokenizer.eos_token_id
+    assert masked_text(tokenizer, ids, mask) == "    return a + b\n<|endoftext|>"
+
+
+def test_chat_mask_covers_only_assistant_turns(tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "add two numbers"},
+        {"role": "assistant", "content": "def add(a, b):"},
+        {"role": "user", "content": "and print"},
+        {"role": "assistant", "content": "print(i)"},
+    ]
+    ids, mask = tokenize_chat(tokenizer, messages)
+    assert len(ids) == len(mask)
+    labelled = masked_text(tokenizer, ids, mask)
+    assert labelled == "def add(a, b):<|im_end|>\nprint(i)<|im_end|>\n"
+    unlabelled = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert "add two numbers" in unlabelled and "assistant\n" in unlabelled and "Be brief." in unlabelled
+
+
+def test_chat_without_template_labels_assistant_lines(tokenizer) -> None:
+    plain = train_tokenizer(TEXTS, vocab_size=300)
+    plain.chat_template = None
+    ids, mask = tokenize_chat(
+        plain, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    )
+    assert masked_text(plain, ids, mask) == "assistant: yo\n<|endoftext|>"
+
+
+def test_record_is_truncated_and_rejects_unknown_shapes(tokenizer) -> None:
+    row = tokenize_record(
+        {"prompt": "def add(a, b):\n", "completion": "    return a + b\n" * 20}, tokenizer, 16
+    )
+    assert row["length"] == len(row["input_ids"]) == len(row["loss_mask"]) == 16
+    with pytest.raises(ValueError, match="neither"):
+        tokenize_record({"text": "x"}, tokenizer, 16)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_load_jsonl_and_parquet_then_batches(tokenizer, tmp_path: Path) -> None:
+    records = [
+        {"prompt": f"def f{i}(x):\n", "completion": "    return x + 1\n" * (1 + i % 5)} for i in range(40)
+    ]
+    _write_jsonl(tmp_path / "train.jsonl", records)
+    data = DataSection(path=str(tmp_path / "train.jsonl"), max_length=64, token_budget=256, eval_prompts=4)
+    tokenized = load_tokenized(data, tokenizer, tmp_path / "cache", tmp_path / "data-cache")
+    assert len(tokenized) == 40
+    assert any((tmp_path / "data-cache").iterdir())  # datasets' cache lives in the run's data cache
+    train = TrainData(tokenized, data)
+    assert train.num_sequences == 36 and len(train.eval_prompts(8, 10)) == 4
+    batch, after = train.batch(Position(), tokenizer.pad_token_id, pad_to_bucket=False)
+    assert batch.input_ids.shape == batch.loss_mask.shape
+    assert batch.input_ids.shape[0] * batch.input_ids.shape[1] <= 256
+    assert after == Position(0, 1)
+    for row, length in enumerate(batch.lengths.tolist()):
+        assert not batch.loss_mask[row, length:].any()
+
+    import datasets
+
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "train.parquet"))
+    parquet = DataSection(path=str(tmp_path / "train.parquet"), max_length=64, token_budget=256)
+    assert len(load_tokenized(parquet, tokenizer, tmp_path / "cache", tmp_path / "data-cache-2")) == 40
+
+
+def test_bad_data_paths_are_config_errors(tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_tokenized(DataSection(path=str(tmp_path / "nope.jsonl")), tokenizer, tmp_path, tmp_path / "dc")
+    _write_jsonl(tmp_path / "odd.jsonl", [{"text": "hello"}])
+    with pytest.raises(ConfigError, match="'messages' or 'prompt'"):
+        load_tokenized(DataSection(path=str(tmp_path / "odd.jsonl")), tokenizer, tmp_path, tmp_path / "dc2")
+
+
+def test_default_corpus_is_stdlib_completions(tmp_path: Path) -> None:
+    path = build_default_corpus(tmp_path, max_files=5, chunk_lines=10, prompt_lines=3)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(r["prompt"].count("\n") == 3 for r in records)
+    assert build_default_corpus(tmp_path, max_files=5, chunk_lines=10, prompt_lines=3) == path  # cached
+    chunks = chunk_file("a\nb\nc\nd\ne\n", chunk_lines=3, prompt_lines=1)
+    assert chunks == [{"prompt": "a\n", "completion": "b\nc\n"}, {"prompt": "d\n", "completion": "e\n"}]

@@ -1,0 +1,241 @@
+"""The DFlash drafter: layer choice, anchors, labels, visibility, and that it learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from testkit import tiny_qwen3
+from transformers import Qwen3ForCausalLM
+
+from training.model.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    block_labels,
+    sample_anchors,
+    select_target_layers,
+    target_context,
+)
+
+torch.set_num_threads(2)
+
+
+def tiny_target(seed: int = 0) -> Qwen3ForCausalLM:
+    return tiny_qwen3(seed)
+
+
+def tiny_drafter(target: Qwen3ForCausalLM, **overrides: object) -> DFlashDrafter:
+    fields: dict[str, object] = {
+        "num_layers": 2,
+        "block_size": 4,
+        "num_anchors": 8,
+        "sliding_window": 6,
+        "full_attention_layers": (1,),
+        "num_target_layers": 2,
+        "loss_chunk_size": 16,
+    }
+    fields.update(overrides)
+    cfg = DrafterConfig(**fields)  # type: ignore[arg-type]
+    torch.manual_seed(1)
+    return DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+
+
+def hidden_of(target: Qwen3ForCausalLM, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    return target_context(out.hidden_states, layer_ids)
+
+
+def test_select_target_layers_follows_dflash() -> None:
+    assert select_target_layers(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert select_target_layers(64) == [1, 16, 31, 46, 61]
+    assert select_target_layers(36, 1) == [18]
+    assert select_target_layers(4, 2) == [0, 3]  # too shallow for 1..L-3: spread over 0..L-1
+    assert select_target_layers(2, 5) == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError):
+        select_target_layers(0)
+
+
+def test_config_validation_and_explicit_target_layers() -> None:
+    with pytest.raises(ValueError, match="full_attention_layers"):
+        DrafterConfig(num_layers=2, full_attention_layers=(2,))
+    with pytest.raises(ValueError, match="attention_backend"):
+        DrafterConfig(attention_backend="sdpa")
+    assert DrafterConfig(target_layer_ids=(0, 1)).resolved_target_layers(2) == [0, 1]
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DrafterConfig(target_layer_ids=(0, 5)).resolved_target_layers(2)
+
+
+def test_block_labels_by_hand() -> None:
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    labels, mask = block_labels(ids, loss_mask, torch.tensor([[1, 4, -1]]), block_size=3)
+    # anchor 1 -> positions 1,2,3; anchor 4 -> 4,5,(6 out of range); padded anchor -> nothing
+    assert labels[0, :6].tolist() == [11, 12, 13, 14, 15, 15]
+    assert mask[0].tolist() == [False, True, True, False, False, False, False, False, False]
+
+
+def test_sample_anchors_are_eligible_distinct_sorted_and_reproducible() -> None:
+    T, bs = 40, 4
+    loss_mask = torch.zeros(3, T, dtype=torch.bool)
+    loss_mask[0, 20:30] = True  # completion-only loss
+    loss_mask[1, :] = True
+    loss_mask[2, 5:7] = True
+    lengths = torch.tensor([35, 12, 40])
+    a1 = sample_anchors(loss_mask, lengths, 16, bs, torch.Generator().manual_seed(5))
+    a2 = sample_anchors(loss_mask, lengths, 16, bs, torch.Generator().manual_seed(5))
+    assert torch.equal(a1, a2) and a1.shape == (3, 16) and a1.dtype == torch.long
+    for row in range(3):
+        got = [a for a in a1[row].tolist() if a >= 0]
+        eligible = [
+            a
+            for a in range(T)
+            if a + 1 < int(lengths[row]) and bool(loss_mask[row, a + 1 : min(a + bs, T)].any())
+        ]
+        assert got == sorted(set(got)) and set(got) <= set(eligible)
+        assert len(got) == min(16, len(eligible))
+        assert a1[row].tolist()[len(got) :] == [-1] * (16 - len(got))
+    assert [a for a in a1[2].tolist() if a >= 0] == [2, 3, 4, 5]  # a block reaches loss at 5 or 6
+    wide = sample_anchors(torch.ones(1, 10, dtype=torch.bool), torch.tensor([10]), 512, bs, None)
+    assert wide.shape == (1, 10) and wide[0].tolist()[:9] == list(range(9))  # capped; all closer than B
+
+
+def test_shared_embedding_and_head_are_frozen_and_not_in_the_state_dict() -> None:
+    target = tiny_target()
+    before = (target.get_input_embeddings().weight.clone(), target.get_output_embeddings().weight.clone())
+    drafter = tiny_drafter(target)
+    assert torch.equal(before[0], target.get_input_embeddings().weight)  # init leaves them alone
+    assert torch.equal(before[1], target.get_output_embeddings().weight)
+    state = drafter.state_dict()
+    names = set(state)
+    shared = {
+        target.get_input_embeddings().weight.data_ptr(),
+        target.get_output_embeddings().weight.data_ptr(),
+    }
+    assert not any(t.data_ptr() in shared for t in state.values())
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    assert "mask_embedding" in names and "fc.weight" in names
+    assert drafter.fc.weight.shape == (64, 2 * 64)
+    assert not target.get_input_embeddings().weight.requires_grad
+    assert all(p.requires_grad for p in drafter.parameters())
+
+
+def test_a_block_sees_only_context_before_its_anchor_and_itself() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(target, sliding_window=64).eval()
+    T = 30
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
+    th = hidden_of(target, ids, drafter.target_layer_ids)
+    anchors = torch.tensor([[10, 12, 20]])  # blocks 0 and 1 overlap (closer than B)
+    with torch.no_grad():
+        base = drafter.block_hidden(ids, th, anchors).view(1, 3, 4, -1)
+        th2 = th.clone()
+        th2[:, 10:] += 1.0  # context at and after anchor 10
+        moved = drafter.block_hidden(ids, th2, anchors).view(1, 3, 4, -1)
+        ids2 = ids.clone()
+        ids2[0, 12] = (ids[0, 12] + 1) % 256  # the anchor token of block 1 only
+        other = drafter.block_hidden(ids2, th, anchors).view(1, 3, 4, -1)
+    torch.testing.assert_close(moved[:, 0], base[:, 0])
+    assert not torch.allclose(moved[:, 1], base[:, 1]) and not torch.allclose(moved[:, 2], base[:, 2])
+    torch.testing.assert_close(other[:, 0], base[:, 0])
+    torch.testing.assert_close(other[:, 2], base[:, 2])
+    assert not torch.allclose(other[:, 1], base[:, 1])
+
+
+def test_sliding_layers_ignore_context_outside_the_window() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(target, full_attention_layers=(), sliding_window=5).eval()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    th = hidden_of(target, ids, drafter.target_layer_ids)
+    anchors = torch.tensor([[20]])
+    th2 = th.clone()
+    th2[:, :15] += 3.0  # before the window [15, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            drafter.block_hidden(ids, th2, anchors), drafter.block_hidden(ids, th, anchors)
+        )
+        th2[:, 15] += 3.0
+        assert not torch.allclose(
+            drafter.block_hidden(ids, th2, anchors), drafter.block_hidden(ids, th, anchors)
+        )
+
+
+def test_flex_backend_gives_the_same_loss_as_blockwise() -> None:
+    target = tiny_target()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    loss_mask = torch.ones(2, 40, dtype=torch.bool)
+    anchors = sample_anchors(loss_mask, torch.tensor([40, 33]), 8, 4, torch.Generator().manual_seed(0))
+    losses = []
+    for backend in ("blockwise", "flex", "dense"):
+        drafter = tiny_drafter(target, attention_backend=backend, flex_tile=16)
+        th = hidden_of(target, ids, drafter.target_layer_ids)
+        with torch.no_grad():
+            losses.append(drafter(ids, th, loss_mask, anchors).loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[2], losses[0], rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_fits_a_fixed_tiny_batch() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, 48), generator=g)
+    loss_mask = torch.ones(2, 48, dtype=torch.bool)
+    loss_mask[:, :8] = False
+    anchors = sample_anchors(loss_mask, torch.tensor([48, 48]), 8, 4, g)
+    th = hidden_of(target, ids, drafter.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(20):
+        out = drafter(ids, th, loss_mask, anchors)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert out.num_tokens == int(out.count_per_offset.sum()) > 0
+    assert out.acc_per_offset.shape == (3,) and out.tau_estimate > 1.0
+    assert target.get_input_embeddings().weight.grad is None  # frozen, shared
+
+
+def test_propose_returns_a_block_of_tokens() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    th = hidden_of(target, ids, drafter.target_layer_ids)
+    draft = drafter.propose(th, ids[:, -1])
+    assert draft.shape == (2, 3) and draft.dtype == torch.long
+    assert int(draft.min()) >= 0 and int(draft.max()) < 256
+
+
+def test_anchor_count_keeps_the_anchor_density_of_a_max_length_row() -> None:
+    cfg = DrafterConfig(num_anchors=512, anchor_length=4096)
+    assert [cfg.anchors_for(t) for t in (4096, 3200, 1344, 128, 5)] == [512, 400, 168, 16, 1]
+    assert cfg.anchors_for(8192) == 512  # never more than num_anchors
+    # Without a reference length: num_anchors at every length, capped by the row.
+    assert [DrafterConfig(num_anchors=32).anchors_for(t) for t in (4096, 20)] == [32, 20]
+    # Query tokens per batch stay near the long bucket's for the same token budget.
+    budget = 16384
+    queries = {t: (budget // t) * cfg.anchors_for(t) * cfg.block_size for t in (4096, 3200, 1344)}
+    assert max(queries.values()) <= 1.1 * queries[4096], queries
+
+
+def test_the_run_config_scales_anchors_with_the_buckets_length() -> None:
+    from training.config import load_config
+    from training.run.core import anchors_per_row, drafter_config
+
+    config = load_config("qwen3-8b-h200", [])
+    assert drafter_config(config).anchor_length == config.data.max_length == 4096
+    assert anchors_per_row(config, 1344) == 168 and anchors_per_row(config, 4096) == 512
+
+
+def test_drafter_config_defaults_are_the_run_configs() -> None:
+    """One default per value: the fields DrafterConfig shares with [drafter] default to its values."""
+    from dataclasses import fields
+
+    from training.config import DrafterSection
+
+    shared = {f.name for f in fields(DrafterConfig)} & {f.name for f in fields(DrafterSection)}
+    assert {"loss_chunk_size", "num_anchors", "block_size", "num_target_layers"} <= shared
+    section, config = DrafterSection(), DrafterConfig()
+    assert {n: getattr(config, n) for n in shared} == {n: getattr(section, n) for n in shared}
+    assert len(select_target_layers(36)) == section.num_target_layers

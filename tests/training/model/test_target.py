@@ -1,0 +1,85 @@
+"""Target loading: local folders only, clear errors, hidden states equal output_hidden_states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.config import ConfigError, ModelSection, load_config
+from training.model.drafter import select_target_layers, target_context
+from training.model.target import build_random_target, load_target, model_source, target_forward
+from training.model.tinymodel import qwen3_config
+
+SMALL = ModelSection(
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    vocab_size=50,
+    max_position_embeddings=64,
+)
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("small-model")
+    Qwen3ForCausalLM(qwen3_config(SMALL, SMALL.vocab_size)).save_pretrained(folder)
+    return folder
+
+
+def test_load_target_is_frozen_eval_and_matches_output_hidden_states(small_folder: Path) -> None:
+    model = load_target(small_folder, "cpu", torch.float32)
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, SMALL.vocab_size, (2, 11))
+    layers = select_target_layers(3, 3)
+    assert 2 in layers  # includes the last layer: the one taken after the final norm
+    ours = target_forward(model, ids, layers)
+    with torch.no_grad():
+        reference = target_context(model(input_ids=ids, output_hidden_states=True).hidden_states, layers)
+    assert ours.shape == (2, 11, 3 * SMALL.hidden_size)
+    torch.testing.assert_close(ours, reference)
+
+
+def test_missing_or_broken_model_folders_are_one_line_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_target(tmp_path / "absent", "cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        load_target(tmp_path / "empty", "cpu")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError) as info:
+        load_target(broken, "cpu")
+    assert "\n" not in str(info.value)
+    config = load_config("tiny-cpu", ["--model.kind=pretrained", f"--model.path={tmp_path / 'absent'}"])
+    with pytest.raises(ConfigError, match=r"model\.path .* does not exist"):
+        model_source(config)
+
+
+def test_random_target_is_built_on_the_device_without_files(tmp_path: Path) -> None:
+    model = build_random_target(SMALL, torch.device("cpu"), torch.float32)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p.device.type == "cpu" and not p.is_meta for p in model.parameters())
+    from transformers import Qwen3ForCausalLM
+
+    reference_model = Qwen3ForCausalLM(qwen3_config(SMALL, SMALL.vocab_size))
+    buffers = dict(reference_model.named_buffers())
+    for name, buffer in model.named_buffers():  # rotary inv_freq: rebuilt, not left as meta garbage
+        torch.testing.assert_close(buffer, buffers[name])
+    weight = model.get_output_embeddings().weight
+    assert 0.01 < float(weight.std()) < 0.03  # initializer_range 0.02, not left uninitialised
+    ids = torch.randint(0, SMALL.vocab_size, (1, 9))
+    hidden = target_forward(model, ids, [0, 2])
+    assert torch.isfinite(hidden).all()
+    with torch.no_grad():
+        reference = target_context(model(input_ids=ids, output_hidden_states=True).hidden_states, [0, 2])
+    torch.testing.assert_close(hidden, reference)

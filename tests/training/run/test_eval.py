@@ -1,0 +1,137 @@
+"""Real acceptance length: drafts verified greedily by a real (tiny) transformers target."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from testkit import tiny_qwen3
+from torch import Tensor
+from transformers import Qwen3ForCausalLM
+
+from training.model.drafter import DFlashDrafter, DrafterConfig
+from training.run.eval import evaluate_acceptance
+
+torch.set_num_threads(2)
+
+BS = 4
+
+
+def markov_target() -> tuple[Qwen3ForCausalLM, Tensor]:
+    """A real Qwen3 model whose greedy next token depends on the current token only.
+
+    Every attention and MLP output projection is zeroed, so each position's residual stream
+    is its own token embedding: next = argmax(lm_head(norm(embed(x)))) =: next_of[x].
+    """
+    model = tiny_qwen3(seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        next_of = model(input_ids=torch.arange(256)[:, None]).logits[:, 0].argmax(-1)
+    return model, next_of
+
+
+class ChainDrafter(DFlashDrafter):
+    """Proposes the target's own greedy chain for the first ``right`` offsets, then a wrong token."""
+
+    def __init__(self, target: Qwen3ForCausalLM, next_of: Tensor, right: int) -> None:
+        cfg = DrafterConfig(num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2)
+        super().__init__(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+        self.next_of = next_of
+        self.right = right
+
+    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        tokens, cur = [], last_token.long()
+        for i in range(BS - 1):
+            cur = self.next_of[cur]
+            tokens.append(cur if i < self.right else (cur + 1) % 256)
+        return torch.stack(tokens, dim=1)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def test_the_test_target_is_markov() -> None:
+    target, next_of = markov_target()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        greedy = target(input_ids=ids).logits[0].argmax(-1)
+    assert torch.equal(greedy, next_of[ids[0]])
+    assert len(set(next_of.tolist())) > 16  # not a constant map: random drafts rarely match
+
+
+def test_a_drafter_that_copies_the_target_reaches_the_block_size() -> None:
+    target, next_of = markov_target()
+    drafter = ChainDrafter(target, next_of, right=BS - 1)
+    res = evaluate_acceptance(target, drafter, _prompts(), [0, 1], max_new_tokens=10)
+    per_prompt = math.ceil(10 / BS)
+    assert res.tau_mean == BS
+    assert res.rounds == 3 * per_prompt and res.prompts == 3
+    assert res.hist == (0, 0, 0, res.rounds)
+    assert res.new_tokens == 3 * per_prompt * BS
+
+
+@pytest.mark.parametrize("right", [0, 1, 2])
+def test_accepted_length_is_matching_prefix_plus_bonus(right: int) -> None:
+    target, next_of = markov_target()
+    drafter = ChainDrafter(target, next_of, right=right)
+    res = evaluate_acceptance(target, drafter, _prompts(), [0, 1], max_new_tokens=7)
+    assert res.tau_mean == right + 1
+    assert res.hist[right] == res.rounds and sum(res.hist) == res.rounds
+
+
+def test_an_untrained_drafter_gets_a_small_tau() -> None:
+    target, _ = markov_target()
+    torch.manual_seed(3)
+    cfg = DrafterConfig(num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2)
+    drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+    drafter.train()
+    res = evaluate_acceptance(target, drafter, _prompts(), drafter.target_layer_ids, max_new_tokens=12)
+    assert 1.0 <= res.tau_mean < 1.5
+    assert res.hist[0] > res.rounds // 2
+    assert drafter.training  # the mode is restored
+
+
+def test_eos_stops_a_prompt_early() -> None:
+    target, next_of = markov_target()
+    drafter = ChainDrafter(target, next_of, right=BS - 1)
+    prompt = [7]
+    chain, cur = [], 7
+    for _ in range(12):
+        cur = int(next_of[cur])
+        chain.append(cur)
+    eos = chain[5]  # produced in the second round
+    res = evaluate_acceptance(target, drafter, [prompt], [0, 1], max_new_tokens=40, eos_token_id=eos)
+    # chain[0] is the prefill's token, round r emits chain[4r-3 .. 4r] (drafts + bonus)
+    assert res.rounds == math.ceil(chain.index(eos) / BS) >= 1
+
+
+def test_bad_arguments_are_refused() -> None:
+    target, next_of = markov_target()
+    drafter = ChainDrafter(target, next_of, right=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        evaluate_acceptance(target, drafter, [[1]], [0, 1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompts"):
+        evaluate_acceptance(target, drafter, [[]], [0, 1], max_new_tokens=4)
+
+
+def test_eval_reads_the_same_hidden_states_the_trainer_trains_on() -> None:
+    """eval uses ``output_hidden_states``; the trainer uses training.model.target's hooks: same tensors."""
+    from training.model.drafter import target_context
+    from training.model.target import target_forward
+
+    target, _ = markov_target()
+    with torch.no_grad():
+        for i, layer in enumerate(target.model.layers):  # undo the zeroing: a mixing target
+            torch.nn.init.normal_(
+                layer.self_attn.o_proj.weight, std=0.3, generator=torch.Generator().manual_seed(i)
+            )
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(5))
+    for layer_ids in ([0, 1], [1], [0, 0]):
+        with torch.no_grad():
+            ours = target_context(target(input_ids=ids, output_hidden_states=True).hidden_states, layer_ids)
+        torch.testing.assert_close(ours, target_forward(target, ids, layer_ids))

@@ -1,0 +1,1 @@
+"""What it is trained on: records -> token ids + loss mask, length buckets, the default corpus."""

@@ -1,0 +1,302 @@
+"""The DFlash attention mask: flex_attention ``BlockMask`` + a dense reference.
+
+Layout. A batch row has ``T`` target-context positions and ``K`` anchors; each anchor
+``a`` owns a block of ``B`` (block_size) query positions. Queries are the ``K*B``
+block tokens, flattened block-major: query ``q`` belongs to block ``q // B`` at block
+offset ``q % B``. Keys/values are ``[context (T) ; block tokens (K*B)]``: key index
+``j < T`` is the fused target hidden state at sequence position ``j``; key index
+``j >= T`` is block token ``j - T``.
+
+The exact visibility rule (``mask_mod`` below and ``dense_block_mask`` implement it):
+
+    query q in block k with anchor a = anchors[b, k] sees key j iff
+      context:  j < T  and  j < a  and  (window is None  or  j >= a - window)
+      own block: j >= T and (j - T) // B == k          (all B positions, bidirectional)
+
+Context *strictly before* the anchor: the anchor token itself enters the block as its
+token embedding (block offset 0), and offset ``i`` predicts the token at ``a + i``. This
+is what decoding has: the target's hidden states exist for the verified prefix
+``0..a-1``; the token at ``a`` (the target's bonus token) has no hidden state yet.
+A padded anchor (``-1``) sees no context, only its own block (no empty rows, no NaN;
+its labels are masked by the loss). Blocks never see other blocks, so anchors closer
+than ``B`` (overlapping blocks) are independent. ``window`` is in tokens.
+
+Backends (``make_attend``): ``flex`` — flex_attention with the BlockMask; ``blockwise`` —
+plain autograd tensor ops that score each block against the context [Q x T] and against
+its own block [B x B] only (never the block-to-block [Q x Q] part), one joint softmax;
+``dense`` — SDPA with the full boolean mask (test reference). ``auto`` = flex on CUDA,
+blockwise on CPU: torch 2.13 has no flex backward on CPU at all ("FlexAttention does not
+support backward on CPU", eager and compiled), and compiling ``create_block_mask`` with
+the CPU inductor took 26 s (flex forward 4.4 s more) for one tiny shape on the 2-core dev
+machine. CPU flex is still run forward-only by the tests, against the dense reference.
+
+Compilation. On CUDA ``create_block_mask`` and ``flex_attention`` always run compiled:
+the eager flex path materializes the whole [Q x KV] score matrix (hundreds of GB at real
+shapes), so ``flex_attend`` raises instead of ever running it uncompiled on a GPU.
+``configure_compile`` sets Dynamo's recompile limit from the number of length buckets and
+makes hitting it an error, so a silent uncompiled (dense) fallback cannot happen.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# Compiled callables, built lazily once per process (torch.compile is cheap until first call).
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+# Compile flex on CPU too (off by default: slow to compile, forward-only there).
+_CPU_COMPILE = {"enabled": False}
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+BACKENDS = ("auto", "flex", "blockwise", "dense")
+
+
+def set_cpu_compile(enabled: bool) -> None:
+    """Use the compiled flex path on CPU as well (default: eager flex on CPU)."""
+    _CPU_COMPILE["enabled"] = bool(enabled)
+
+
+def _use_compiled(device: torch.device) -> bool:
+    return device.type != "cpu" or _CPU_COMPILE["enabled"]
+
+
+def configure_compile(num_buckets: int, variants: int) -> int:
+    """Set Dynamo's recompile limit for ``num_buckets`` length buckets x ``variants``.
+
+    ``variants`` counts the distinct compiled shapes per bucket (mask variants such as
+    full + sliding, forward/eval). Every bucket pads to its own length, so each
+    (bucket, variant) is one compiled graph per code object. The limit gets a margin of
+    2 and never goes below Dynamo's default (8). Hitting it raises
+    (``fail_on_recompile_limit_hit``) instead of silently running flex uncompiled.
+    Returns the limit set.
+    """
+    if num_buckets < 1 or variants < 1:
+        raise ValueError(f"configure_compile: num_buckets={num_buckets} and variants={variants} must be >= 1")
+    limit = max(8, num_buckets * variants + 2)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = limit
+    cfg.accumulated_recompile_limit = max(int(cfg.accumulated_recompile_limit), limit * 8)
+    cfg.fail_on_recompile_limit_hit = True
+    return limit
+
+
+def make_mask_mod(
+    anchors: Tensor, context_len: int, block_size: int, window: int | None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The flex ``mask_mod`` of the rule in the module docstring (anchors: [B, K] long)."""
+    T = int(context_len)
+    bs = int(block_size)
+    last_block = int(anchors.shape[1]) - 1
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        blk = q_idx // bs
+        # Kernels may evaluate padded rows of a partial tile (q_idx >= K*bs): never read
+        # past the anchors tensor (those rows are discarded anyway).
+        anchor = anchors[b, blk.clamp(max=last_block)]
+        is_ctx = kv_idx < T
+        ctx_ok = is_ctx & (kv_idx < anchor)
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_idx >= anchor - window)
+        own = (~is_ctx) & ((kv_idx - T) // bs == blk)
+        return ctx_ok | own
+
+    return mask_mod
+
+
+def dense_block_mask(anchors: Tensor, context_len: int, block_size: int, window: int | None) -> Tensor:
+    """Dense boolean reference of the rule: [B, K*block_size, T + K*block_size] (True = visible).
+
+    Built independently of ``make_mask_mod`` (broadcast tensor algebra, no flex code), so
+    tests can compare the two. Also the mask of ``dense_attend`` (eval's ``propose``).
+    """
+    bsz, k = anchors.shape
+    T = int(context_len)
+    q_len = k * block_size
+    dev = anchors.device
+    q_block = torch.arange(q_len, device=dev) // block_size  # [Q]
+    anchor_q = anchors[:, q_block]  # [B, Q]
+    ctx_j = torch.arange(T, device=dev)  # [T]
+    ctx = ctx_j[None, None, :] < anchor_q[:, :, None]
+    if window is not None:
+        ctx = ctx & (ctx_j[None, None, :] >= anchor_q[:, :, None] - window)
+    blk_j = torch.arange(q_len, device=dev) // block_size
+    own = (q_block[:, None] == blk_j[None, :]).expand(bsz, q_len, q_len)
+    return torch.cat([ctx, own], dim=2)
+
+
+def build_block_mask(
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None,
+    *,
+    tile: int = 128,
+) -> BlockMask:
+    """The flex ``BlockMask`` for ``anchors`` [B, K] (-1 padded); compiled off-CPU.
+
+    ``tile`` is flex's BLOCK_SIZE (the sparsity granularity), not the DFlash block size.
+    """
+    bsz, k = anchors.shape
+    q_len = k * block_size
+    kv_len = int(context_len) + q_len
+    mask_mod = make_mask_mod(anchors, context_len, block_size, window)
+    compiled = _use_compiled(anchors.device)
+    return create_block_mask(
+        mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile, _compile=compiled
+    )
+
+
+def _compiled_flex() -> Callable[..., Any]:
+    fn = _COMPILED.get("flex")
+    if fn is None:
+        fn = torch.compile(flex_attention, dynamic=False)
+        _COMPILED["flex"] = fn
+    return fn
+
+
+def _compiled_blockwise() -> Callable[..., Any]:
+    fn = _COMPILED.get("blockwise")
+    if fn is None:
+        fn = torch.compile(blockwise_attend, dynamic=False)
+        _COMPILED["blockwise"] = fn
+    return fn
+
+
+def flex_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_mask: BlockMask,
+    *,
+    scale: float | None = None,
+    compiled: bool | None = None,
+) -> Tensor:
+    """flex_attention over q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hq != Hkv).
+
+    ``compiled=None``: compiled off-CPU, eager on CPU unless ``set_cpu_compile(True)``.
+    ``compiled=False`` off-CPU raises: the eager path materializes the whole score matrix.
+    """
+    use = _use_compiled(q.device) if compiled is None else compiled
+    if not use and q.device.type != "cpu":
+        raise RuntimeError(
+            f"flex_attention must not run uncompiled on {q.device}: the eager path materializes "
+            "the whole [Q x KV] score matrix (OOM at real shapes); use the compiled path"
+        )
+    if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            "flex_attention has no backward on CPU in this torch; train on CPU with "
+            "drafter.attention_backend = 'auto' or 'blockwise'"
+        )
+    dtype = v.dtype
+    q, k = q.to(dtype), k.to(dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if use:
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    with warnings.catch_warnings():  # CPU only: eager is the intended path here
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+def dense_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None = None) -> Tensor:
+    """Reference attention with a boolean mask [B, Q, KV] (SDPA; for tests and tiny-Q decoding).
+
+    Materializes [B, H, Q, KV] scores: use only where Q is small (``propose``: Q = block size).
+    """
+    dtype = v.dtype
+    q, k = q.to(dtype), k.to(dtype)
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :, :], scale=scale)
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None = None
+) -> Tensor:
+    """Textbook softmax(QK^T * scale + mask) V in float64 (test oracle, no SDPA/flex code)."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * s
+    scores = scores.masked_fill(~mask[:, None, :, :], float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), v.double()).to(q.dtype)
+
+
+def blockwise_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """The mask rule as tensor ops: scores [Q x T] to the context + [B x B] within each block.
+
+    Memory O(Q * (T + B)) per head instead of O(Q * (T + Q)); differentiable (CPU training).
+    """
+    bsz, hq, q_len, d = q.shape
+    kblocks = anchors.shape[1]
+    T = int(context_len)
+    if k.shape[1] != hq:
+        rep = hq // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    s = scale if scale is not None else d**-0.5
+    qf, kf, vf = q.float(), k.float(), v.float()
+    k_ctx, v_ctx = kf[:, :, :T], vf[:, :, :T]
+    k_blk = kf[:, :, T:].reshape(bsz, hq, kblocks, block_size, d)
+    v_blk = vf[:, :, T:].reshape(bsz, hq, kblocks, block_size, d)
+    q_blk = qf.reshape(bsz, hq, kblocks, block_size, d)
+    s_ctx = torch.einsum("bhkqd,bhtd->bhkqt", q_blk, k_ctx) * s
+    j = torch.arange(T, device=q.device)
+    a = anchors[:, None, :, None, None]
+    ctx_ok = j < a
+    if window is not None:
+        ctx_ok = ctx_ok & (j >= a - window)
+    s_ctx = s_ctx.masked_fill(~ctx_ok, float("-inf"))
+    s_own = torch.einsum("bhkqd,bhkjd->bhkqj", q_blk, k_blk) * s
+    p = torch.cat([s_ctx, s_own], dim=-1).softmax(dim=-1)
+    out = torch.einsum("bhkqt,bhtd->bhkqd", p[..., :T], v_ctx) + torch.einsum(
+        "bhkqj,bhkjd->bhkqd", p[..., T:], v_blk
+    )
+    return out.reshape(bsz, hq, q_len, d).to(v.dtype)
+
+
+def make_attend(
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None,
+    *,
+    backend: str = "auto",
+    tile: int = 128,
+) -> Attend:
+    """An ``attend(q, k, v) -> out`` for one mask variant (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "auto" and anchors.device.type == "cpu" and _CPU_COMPILE["enabled"]:
+        # CPU training with compile on: flex has no CPU backward, so compile blockwise.
+        blockwise = _compiled_blockwise()
+        return lambda q, k, v: blockwise(q, k, v, anchors, context_len, block_size, window)
+    if backend == "auto":
+        backend = "blockwise" if anchors.device.type == "cpu" else "flex"
+    if backend == "flex":
+        bm = build_block_mask(anchors, context_len, block_size, window, tile=tile)
+        return lambda q, k, v: flex_attend(q, k, v, bm)
+    if backend == "dense":
+        m = dense_block_mask(anchors, context_len, block_size, window)
+        return lambda q, k, v: dense_attend(q, k, v, m)
+    return lambda q, k, v: blockwise_attend(q, k, v, anchors, context_len, block_size, window)

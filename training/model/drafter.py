@@ -1,0 +1,470 @@
+"""The DFlash drafter: a few Qwen3-style decoder blocks that draft a whole block at once.
+
+Interface (the contract with the trainer; keep it):
+
+    DrafterConfig                      frozen; see the fields below
+    select_target_layers(L, n=5)       which target layers feed the drafter (DFlash's rule)
+    target_context(hidden_states, ids) concat the chosen layers' hidden states -> [B, T, n*H]
+    DFlashDrafter(cfg, target_config, embed_tokens, lm_head)
+      .forward(input_ids, target_hidden, loss_mask, anchors) -> DraftOutput
+      .propose(target_hidden, last_token) -> LongTensor [N, B-1]   (greedy block, for eval)
+    sample_anchors(loss_mask, lengths, num_anchors, block_size, generator) -> LongTensor [B, K]
+      K = min(num_anchors, T): the width depends on the padded length only (stable shapes);
+      callers pass DrafterConfig.anchors_for(T) (num_anchors scaled to the bucket's length)
+    block_labels(input_ids, loss_mask, anchors, block_size) -> (labels, label_mask)  [B, K*bs]
+    DFlashDrafter.block_hidden(input_ids, target_hidden, anchors) -> [B, K*bs, H]
+    DFlashDrafter.variants() -> the attention windows in use (None = full): pass
+      len(variants()) to attention.configure_compile(num_buckets, variants)
+
+Beyond that interface: DrafterConfig also has
+``num_target_layers`` / ``target_layer_ids`` (which target layers; () = DFlash's rule),
+``flex_tile`` and ``attention_backend`` ("auto" = flex on CUDA, blockwise on CPU: torch
+2.13 has no flex backward on CPU); DraftOutput also has ``correct_per_offset`` and
+``count_per_offset`` (to aggregate accuracy over steps or ranks). MASK is a learned
+embedding, not a token id.
+
+Model. ``target_hidden`` [B, T, n*H] (the n chosen target layers, concatenated on the
+feature axis, see ``target_context``) -> Linear(n*H -> H, no bias) -> RMSNorm = the fused
+context. Each anchor ``a`` gets a block ``[x_a, MASK x (B-1)]``: ``x_a`` embedded with the
+target's frozen embedding, MASK = one dedicated *learned* embedding vector (a parameter of
+the drafter, initialised to the mean of the target's embedding rows; no token id is
+reserved, so any tokenizer works). The blocks pass N decoder layers (RMSNorm, GQA attention
+with per-head q/k RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the
+target's hidden size and head layout. Each layer's queries come from the block tokens; its
+keys/values from [fused context ; block tokens] through the layer's own k/v projections
+(the context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
+positions: context ``j`` -> ``j``; block offset ``i`` of anchor ``a`` -> ``a + i``. A final
+RMSNorm, then the target's frozen lm_head; offset ``i >= 1`` predicts the token at ``a + i``
+(loss: ``training/model/loss.py``).
+
+Layers listed in ``cfg.full_attention_layers`` see all context before the anchor; the others
+see the last ``cfg.sliding_window`` context tokens before it.
+
+The shared ``embed_tokens`` and ``lm_head`` are held by reference, NOT registered as
+submodules: they are not in ``parameters()`` / ``state_dict()`` (checkpoints hold only the
+drafter's own weights) and ``.to()`` does not move them. Pass them on the drafter's device
+(in a split topology: copies of the target's on the drafter GPU). They stay frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from training.config import DrafterSection
+from training.model import attention
+from training.model.loss import block_loss, tau_from_accuracy
+
+_RUN = DrafterSection()  # the run config's defaults: one default per value
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Drafter hyper-parameters (DFlash defaults). The fields the run config's [drafter] section
+    has take their defaults from it (``training.config.DrafterSection``)."""
+
+    num_layers: int = _RUN.num_layers
+    block_size: int = _RUN.block_size
+    num_anchors: int = _RUN.num_anchors
+    sliding_window: int = _RUN.sliding_window  # tokens of context before the anchor (sliding layers)
+    full_attention_layers: tuple[int, ...] = _RUN.full_attention_layers  # the others slide
+    gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
+    loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
+    target_layer_ids: tuple[int, ...] = _RUN.target_layer_ids  # explicit layers; () = select_target_layers
+    flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
+    attention_backend: str = "auto"  # auto (flex on CUDA, blockwise on CPU) | flex | blockwise | dense
+    # The sequence length num_anchors is meant for (the data's max_length; 0 = every length).
+    # A bucket padded to T draws anchors_for(T) = ceil(num_anchors * T / anchor_length): the
+    # same anchor density at every length, so a batch of many short rows does not carry
+    # num_anchors * block_size query tokens per row (12 rows x 512 x 16 at T=1344 ran a
+    # 140 GiB H200 out of memory where 4 rows at T=4096 take 60 GiB).
+    anchor_length: int = 0
+
+    def anchors_for(self, padded_length: int) -> int:
+        """Anchors per row for a batch padded to ``padded_length`` (at least 1)."""
+        t = int(padded_length)
+        if self.anchor_length <= 0 or t >= self.anchor_length:
+            return max(1, min(self.num_anchors, t))
+        return max(1, min(t, -(-self.num_anchors * t // self.anchor_length)))
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers={self.num_layers} must be >= 1")
+        if self.block_size < 2:
+            raise ValueError(f"drafter.block_size={self.block_size} must be >= 2")
+        if self.num_anchors < 1 or self.sliding_window < 1 or self.loss_chunk_size < 1:
+            raise ValueError("drafter.num_anchors, sliding_window and loss_chunk_size must be >= 1")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"drafter.full_attention_layers={list(self.full_attention_layers)}: "
+                f"indexes must be in [0, {self.num_layers})"
+            )
+        if self.attention_backend not in attention.BACKENDS:
+            raise ValueError(
+                f"drafter.attention_backend={self.attention_backend!r}: expected one of "
+                f"{', '.join(attention.BACKENDS)}"
+            )
+        if self.gamma <= 0:
+            raise ValueError(f"drafter.gamma={self.gamma} must be > 0")
+
+    def resolved_target_layers(self, num_hidden_layers: int) -> list[int]:
+        """The target layer ids this drafter reads from a target with ``num_hidden_layers``."""
+        if self.target_layer_ids:
+            bad = [i for i in self.target_layer_ids if not 0 <= i < num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"drafter.target_layer_ids={list(self.target_layer_ids)}: the target has "
+                    f"{num_hidden_layers} layers (ids 0..{num_hidden_layers - 1})"
+                )
+            return list(self.target_layer_ids)
+        return select_target_layers(num_hidden_layers, self.num_target_layers)
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """One training forward: loss and the accuracy/acceptance it implies."""
+
+    loss: Tensor  # scalar, differentiable
+    acc_per_offset: Tensor  # [B-1] float, offsets 1..B-1
+    tau_estimate: float  # 1 + sum_k prod_{j<=k} acc_j (see loss.tau_from_accuracy)
+    num_tokens: int  # labelled positions in the loss
+    correct_per_offset: Tensor  # [B-1] long (sum across steps/ranks, then divide by count)
+    count_per_offset: Tensor  # [B-1] long
+
+
+def select_target_layers(num_hidden_layers: int, n: int = _RUN.num_target_layers) -> list[int]:
+    """DFlash's rule: ``n`` layer ids spread evenly over the target's depth.
+
+    ``round(1 + i * (L - 4) / (n - 1))`` for i = 0..n-1: from layer 1 to layer L-3 (the
+    first layer is skipped as too shallow, the last few as too specialised to the
+    next-token head). Qwen3-8B (36 layers): [1, 9, 17, 25, 33]. n = 1: [L // 2]. A target
+    shallower than that span (L < 5 or fewer distinct ids than n) spreads over 0..L-1
+    instead, repeating ids when L < n. Layer id ``i`` means the output of decoder layer
+    ``i``, i.e. ``hidden_states[i + 1]`` of ``output_hidden_states=True``.
+    """
+    if num_hidden_layers < 1 or n < 1:
+        raise ValueError(
+            f"select_target_layers: num_hidden_layers={num_hidden_layers} and n={n} must be >= 1"
+        )
+    if n == 1:
+        return [num_hidden_layers // 2]
+    start, end = 1, num_hidden_layers - 3
+    if end - start >= n - 1:
+        return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
+    last = num_hidden_layers - 1
+    return [round(i * last / (n - 1)) for i in range(n)]
+
+
+def target_context(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
+    """Concatenate the chosen layers' outputs: ``hidden_states`` as returned by a HF model with
+    ``output_hidden_states=True`` (embeddings first) -> [B, T, n*H]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _text_config(cfg: Any) -> Any:
+    return getattr(cfg, "text_config", None) or cfg
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, L, head_dim] for integer positions [B, L] (Qwen3 / rotate-half layout)."""
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, L, D]; cos/sin [B, L, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+Attend = attention.Attend
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, n, self.head_dim)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attend: Attend,
+    ) -> Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_norm(self._heads(self.q_proj(x), self.heads)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(kv_in), self.kv_heads).transpose(1, 2)
+        q = _apply_rope(q, *rope_q)
+        k = _apply_rope(k, *rope_kv)
+        out = attend(q, k, v)  # [B, Hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = DrafterAttention(hidden, heads, kv_heads, head_dim, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = DrafterMLP(hidden, inter)
+
+    def forward(
+        self,
+        h: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attend: Attend,
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_kv, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter (see the module docstring)."""
+
+    def __init__(
+        self, cfg: DrafterConfig, target_config: Any, embed_tokens: nn.Embedding, lm_head: nn.Linear
+    ) -> None:
+        super().__init__()
+        tc = _text_config(target_config)
+        self.cfg = cfg
+        self.hidden_size = int(tc.hidden_size)
+        heads = int(tc.num_attention_heads)
+        kv_heads = int(getattr(tc, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(tc, "head_dim", None) or self.hidden_size // heads)
+        inter = int(tc.intermediate_size)
+        self.head_dim = head_dim
+        self.target_layer_ids = cfg.resolved_target_layers(int(tc.num_hidden_layers))
+        n = len(self.target_layer_ids)
+        eps = cfg.rms_norm_eps
+        self.fc = nn.Linear(n * self.hidden_size, self.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(self.hidden_size, eps)
+        self.layers = nn.ModuleList(
+            DrafterLayer(self.hidden_size, heads, kv_heads, head_dim, inter, eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(self.hidden_size, eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(self.hidden_size))
+        self.windows: list[int | None] = [
+            None if i in cfg.full_attention_layers else cfg.sliding_window for i in range(cfg.num_layers)
+        ]
+        # Shared, frozen, deliberately unregistered (see the module docstring).
+        self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
+        for p in (*embed_tokens.parameters(), *lm_head.parameters()):
+            p.requires_grad_(False)
+        self.reset_parameters()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared[1]
+
+    def reset_parameters(self) -> None:
+        """Qwen3-style init: linears N(0, 0.02), norms 1; MASK = mean target embedding."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        with torch.no_grad():
+            mean = self.embed_tokens.weight.detach().float().mean(dim=0)
+            self.mask_embedding.copy_(mean.to(self.mask_embedding.device, self.mask_embedding.dtype))
+
+    def variants(self) -> list[int | None]:
+        """The distinct attention windows (None = full): one BlockMask / compiled shape each."""
+        return sorted(set(self.windows), key=lambda w: -1 if w is None else w)
+
+    def _blocks(
+        self, ctx: Tensor, first_tokens: Tensor, anchors: Tensor, attends: dict[int | None, Attend]
+    ) -> Tensor:
+        """Run the layers: ctx [B, T, H] fused, first_tokens/anchors [B, K] -> hidden [B, K*bs, H]."""
+        bsz, k = first_tokens.shape
+        bs = self.cfg.block_size
+        T = ctx.shape[1]
+        first = self.embed_tokens(first_tokens)  # [B, K, H]
+        mask = self.mask_embedding.to(first.dtype).expand(bsz, k, bs - 1, self.hidden_size)
+        h = torch.cat([first[:, :, None, :], mask], dim=2).reshape(bsz, k * bs, self.hidden_size)
+        h = h.to(self.fc.weight.dtype)  # the residual stream in the drafter's dtype (fp32 under autocast)
+        offs = torch.arange(bs, device=anchors.device)
+        q_pos = (anchors.clamp(min=0)[:, :, None] + offs).reshape(bsz, k * bs)
+        kv_pos = torch.cat([torch.arange(T, device=anchors.device).expand(bsz, T), q_pos], dim=1)
+        rope_q = _rope(q_pos, self.head_dim, self.cfg.rope_theta)
+        rope_kv = _rope(kv_pos, self.head_dim, self.cfg.rope_theta)
+        for layer, window in zip(self.layers, self.windows, strict=True):
+            h = layer(h, ctx, rope_q, rope_kv, attends[window])
+        return self.norm(h)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """[B, T, n*H] -> the fused context [B, T, H]."""
+        if not torch.is_autocast_enabled(target_hidden.device.type):
+            # no autocast: match the weight (autocast casts inside the matmul, no fp32 copy)
+            target_hidden = target_hidden.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def block_hidden(self, input_ids: Tensor, target_hidden: Tensor, anchors: Tensor) -> Tensor:
+        """The final (normed) hidden states of every block: [B, K*block_size, H], block-major."""
+        cfg = self.cfg
+        T = input_ids.shape[1]
+        attends = {
+            w: attention.make_attend(
+                anchors, T, cfg.block_size, w, backend=cfg.attention_backend, tile=cfg.flex_tile
+            )
+            for w in self.variants()
+        }
+        first_tokens = input_ids.gather(1, anchors.clamp(min=0))
+        return self._blocks(self.fuse(target_hidden), first_tokens, anchors, attends)
+
+    def forward(
+        self, input_ids: Tensor, target_hidden: Tensor, loss_mask: Tensor, anchors: Tensor
+    ) -> DraftOutput:
+        """input_ids [B, T], target_hidden [B, T, n*H], loss_mask [B, T], anchors [B, K] (-1 padded)."""
+        cfg = self.cfg
+        hidden = self.block_hidden(input_ids, target_hidden, anchors)
+        labels, label_mask = block_labels(input_ids, loss_mask, anchors, cfg.block_size)
+        result = block_loss(
+            hidden,
+            labels,
+            label_mask,
+            self.lm_head,
+            block_size=cfg.block_size,
+            gamma=cfg.gamma,
+            chunk_size=cfg.loss_chunk_size,
+        )
+        acc = result.acc_per_offset
+        return DraftOutput(
+            loss=result.loss,
+            acc_per_offset=acc,
+            tau_estimate=tau_from_accuracy(acc),
+            num_tokens=int(result.count.sum().item()),
+            correct_per_offset=result.correct,
+            count_per_offset=result.count,
+        )
+
+    @torch.no_grad()
+    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        """Greedy draft of one block per row.
+
+        target_hidden [N, T, n*H]: the target's chosen hidden states of the verified prefix
+        (positions 0..T-1); last_token [N]: the token at position T (the target's newest
+        token, no hidden state yet) = the block's anchor. Returns [N, B-1] long: the drafted
+        tokens for positions T+1..T+B-1. Dense attention (the query is one block).
+        """
+        n, T = target_hidden.shape[0], target_hidden.shape[1]
+        anchors = torch.full((n, 1), T, dtype=torch.long, device=target_hidden.device)
+        ctx = self.fuse(target_hidden)
+        # One block of queries: the blockwise path is small and never recompiles as T grows.
+        attends = {
+            w: attention.make_attend(anchors, T, self.cfg.block_size, w, backend="blockwise")
+            for w in self.variants()
+        }
+        hidden = self._blocks(ctx, last_token.view(n, 1).long(), anchors, attends)
+        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
+        return logits.argmax(dim=-1)
+
+
+def block_labels(
+    input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Labels and label mask of every block position: ([B, K*bs] long, [B, K*bs] bool).
+
+    Block offset ``i`` of anchor ``a`` is labelled with ``input_ids[a + i]``; it counts when
+    ``i >= 1``, ``a + i < T``, ``loss_mask[a + i]`` and the anchor is not padding (-1).
+    """
+    bsz, T = input_ids.shape
+    k = anchors.shape[1]
+    pos = anchors.clamp(min=0)[:, :, None] + torch.arange(block_size, device=anchors.device)  # [B, K, bs]
+    ok = (pos < T) & (anchors >= 0)[:, :, None]
+    ok[:, :, 0] = False
+    pos_c = pos.clamp(max=T - 1).reshape(bsz, k * block_size)
+    labels = input_ids.gather(1, pos_c)
+    label_mask = loss_mask.bool().gather(1, pos_c) & ok.reshape(bsz, k * block_size)
+    return labels, label_mask
+
+
+def sample_anchors(
+    loss_mask: Tensor, lengths: Tensor, num_anchors: int, block_size: int, generator: torch.Generator | None
+) -> Tensor:
+    """Random anchors per row: LongTensor [B, min(num_anchors, T)], ascending, -1 padded.
+
+    An anchor ``a`` is eligible when ``a + 1 < length`` and at least one of its block's
+    targets ``a+1 .. min(a+B-1, length-1)`` has loss. Each row draws
+    ``min(num_anchors, eligible)`` distinct anchors uniformly without replacement, so
+    anchors closer than ``block_size`` occur. The width depends only on the padded length
+    ``T`` (stable shapes per bucket). Drawn on the CPU from ``generator`` (reproducible,
+    resumable), returned on ``loss_mask``'s device.
+    """
+    bsz, T = loss_mask.shape
+    width = min(int(num_anchors), T)
+    lm = loss_mask.detach().to("cpu").bool()
+    lens = lengths.detach().to("cpu").long().clamp(max=T)
+    pos = torch.arange(T)
+    # has_loss[a] = any(lm[a+1 .. a+B-1]) via a prefix sum.
+    csum = torch.cat([torch.zeros(bsz, 1, dtype=torch.long), lm.long().cumsum(1)], dim=1)  # [B, T+1]
+    lo = (pos + 1).clamp(max=T)
+    hi = (pos + block_size).clamp(max=T)
+    has_loss = (csum[:, hi] - csum[:, lo]) > 0
+    eligible = has_loss & (pos[None, :] + 1 < lens[:, None])
+    scores = torch.rand(bsz, T, generator=generator)
+    scores = scores.masked_fill(~eligible, 2.0)
+    picked_scores, picked = scores.topk(width, dim=1, largest=False)
+    taken = picked_scores < 2.0
+    key = torch.where(taken, picked, torch.full_like(picked, T))
+    ordered = key.sort(dim=1).values
+    anchors = torch.where(ordered < T, ordered, torch.full_like(ordered, -1))
+    return anchors.to(loss_mask.device)

@@ -1,0 +1,389 @@
+"""The drafter-training core: the one implementation both drivers run.
+
+The single-process trainer (``training.run.single``: target and drafter in one process) and the
+drafter ranks of an N+M job (``training.run.distributed``) differ only in where hidden states come
+from and who writes what; everything else about training the drafter is here, written once,
+and so are the pieces ``training.run.plan`` (the split probe) and ``training.compile.warm`` (the compile
+warm-up) reuse:
+
+    drafter_config, build_drafter     the run config's drafter, sharing the target's embedding/lm_head
+    build_optimizer                   AdamW + linear warmup and cosine decay (``lr_lambda``)
+    batch_anchors                     a batch's anchors, drawn from (seed, data position) only
+    train_forward, drafter_step       forward under the device's autocast; one optimizer step
+    checkpoint_state, write_checkpoint, resume   what a checkpoint holds, written and read back
+    report_step                       the ``step`` event (training/EVENTS.md), metrics, the human line
+    compiles                          whether a run compiles on a device (compile.enabled)
+    load_train_data                   the tokenized data and its cache folder
+    emit_run_start, announce_buckets, load_run_target   the start-up events both drivers write
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.config import ConfigError, RunConfig, config_to_dict
+from training.data.buckets import Position, format_bucket_table
+from training.data.corpus import default_cache_dir
+from training.data.dataset import TrainData, load_tokenized
+from training.events import EventWriter
+from training.model.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
+from training.model.target import check_vocab, load_model
+from training.run.checkpoint import (
+    SavedCheckpoint,
+    load_latest,
+    remove_stale_temps,
+    restore_rng,
+    save_checkpoint,
+)
+from training.wandb_logger import MetricsLogger
+
+Echo = Callable[[str], None]
+DATA_CACHE = "data-cache"  # <run-dir>/data-cache unless data.cache_dir names one
+
+
+# ------------------------------------------------------------------ the drafter
+def drafter_config(config: RunConfig) -> DrafterConfig:
+    """``DrafterConfig`` from the run config's [drafter] section (matching field names)."""
+    known = {f.name for f in fields(DrafterConfig)}
+    values = {f.name: getattr(config.drafter, f.name) for f in fields(config.drafter) if f.name in known}
+    values["anchor_length"] = config.data.max_length  # num_anchors is per max_length sequence
+    try:
+        return DrafterConfig(**values)
+    except ValueError as exc:  # DrafterConfig's own checks name the key
+        raise ConfigError(f"config key {exc}") from None
+
+
+def anchors_per_row(config: RunConfig, padded_length: int) -> int:
+    """``drafter.num_anchors`` scaled to a batch padded to ``padded_length`` (DrafterConfig.anchors_for)."""
+    return drafter_config(config).anchors_for(padded_length)
+
+
+def build_drafter(config: RunConfig, target: nn.Module, device: torch.device) -> DFlashDrafter:
+    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed)."""
+    torch.manual_seed(config.train.seed)
+    drafter = DFlashDrafter(
+        drafter_config(config), target.config, target.get_input_embeddings(), target.get_output_embeddings()
+    )
+    return drafter.to(device)
+
+
+def trainable_parameters(drafter: nn.Module) -> list[nn.Parameter]:
+    """The drafter's own weights (the shared embedding and lm_head are frozen and not registered)."""
+    return [p for p in drafter.parameters() if p.requires_grad]
+
+
+def set_threads(config: RunConfig) -> None:
+    """``train.torch_threads`` (0 = torch's default)."""
+    if config.train.torch_threads > 0:
+        torch.set_num_threads(config.train.torch_threads)
+
+
+# ------------------------------------------------------------------ optimizer
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(
+    config: RunConfig, drafter: nn.Module
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the drafter's trainable weights and its warmup + cosine schedule ([train])."""
+    train = config.train
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(drafter),
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        weight_decay=train.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(train.warmup_steps, train.steps, train.min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+# ------------------------------------------------------------------ the step
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    acc: list[float]
+    tau: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+
+
+def anchor_generator(seed: int, position: Position) -> torch.Generator:
+    """The anchor RNG of one batch: a function of (seed, epoch, batch index) only."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + position.epoch) * 10_000_019 + position.index)
+
+
+def batch_anchors(
+    config: RunConfig, loss_mask: torch.Tensor, lengths: torch.Tensor, position: Position
+) -> torch.Tensor:
+    """The anchors of the batch taken at ``position`` (on ``loss_mask``'s device): the same
+    anchors on every driver and after a resume, since they depend on the position only."""
+    return sample_anchors(
+        loss_mask,
+        lengths,
+        anchors_per_row(config, loss_mask.shape[1]),
+        config.drafter.block_size,
+        anchor_generator(config.train.seed, position),
+    )
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The drafter's autocast: bf16 on a GPU, none (fp32) on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def train_forward(
+    drafter: nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+) -> DraftOutput:
+    """The drafter's training forward (train mode, the device's autocast)."""
+    drafter.train()
+    dtype = autocast_dtype(input_ids.device)
+    with torch.autocast(input_ids.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        return drafter(input_ids, hidden, loss_mask, anchors)
+
+
+def drafter_step(
+    drafter: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    grad_clip: float,
+    always_backward: bool = False,
+) -> StepResult:
+    """One optimizer step of the drafter on given target hidden states.
+
+    ``always_backward``: run backward even with no labelled token (a zero loss), as DDP
+    needs every rank to join each gradient all-reduce (training.run.distributed)."""
+    out = train_forward(drafter, input_ids, loss_mask, hidden, anchors)
+    optimizer.zero_grad(set_to_none=True)
+    lr = float(scheduler.get_last_lr()[0])
+    if out.num_tokens > 0 or always_backward:
+        out.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(drafter), grad_clip))
+        optimizer.step()
+    else:
+        grad_norm = 0.0
+    scheduler.step()
+    return StepResult(
+        loss=float(out.loss.detach()),
+        acc=[float(a) for a in out.acc_per_offset.detach().cpu()],
+        tau=float(out.tau_estimate),
+        grad_norm=grad_norm,
+        lr=lr,
+        num_tokens=int(out.num_tokens),
+    )
+
+
+def report_step(
+    events: EventWriter,
+    result: StepResult,
+    *,
+    step: int,
+    total_steps: int,
+    epoch: int,
+    tokens_per_s: float,
+    device: torch.device,
+    echo: Echo,
+    logger: MetricsLogger | None = None,
+    note: str = "",
+    **extra: Any,
+) -> None:
+    """The ``step`` event (its fields, then ``extra``), the metrics logger and the human line."""
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    metrics = {
+        "step": step,
+        "total_steps": total_steps,
+        "epoch": epoch,
+        "loss": result.loss,
+        "acc": result.acc,
+        "tau": result.tau,
+        "lr": result.lr,
+        "tokens_per_s": tokens_per_s,
+        "grad_norm": result.grad_norm,
+        "mem_gib": mem,
+    }
+    events.emit("step", **metrics, **extra)
+    if logger is not None:
+        logger.log({f"train/{k}": v for k, v in metrics.items() if k != "acc"}, step)
+    echo(
+        f"step {step}/{total_steps} epoch {epoch} loss {result.loss:.4f} "
+        f"tau {result.tau:.3f} acc1 {result.acc[0] if result.acc else 0:.3f} lr {result.lr:.2e} "
+        f"gnorm {result.grad_norm:.2f} tok/s {tokens_per_s:.0f}{note}"
+    )
+
+
+def batch_shape(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, int]:
+    """What a step trained on, as ``step`` event extras: real tokens, rows, padded length."""
+    return {
+        "tokens": int(lengths.sum()),
+        "sequences": int(input_ids.shape[0]),
+        "padded_length": int(input_ids.shape[1]),
+    }
+
+
+# ------------------------------------------------------------------ checkpoints
+def checkpoint_state(
+    drafter: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    position: Position,
+    tau: float,
+    config: RunConfig,
+    **extra: Any,
+) -> dict[str, Any]:
+    """What a checkpoint holds besides its step and RNG states (``save_checkpoint`` adds those)."""
+    return {
+        "drafter": drafter.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "position": (position.epoch, position.index),
+        "tau": tau,
+        "config": config_to_dict(config),
+        **extra,
+    }
+
+
+def write_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], keep: int, events: EventWriter, echo: Echo
+) -> SavedCheckpoint:
+    """``phase: checkpoint``, the atomic write (last ``keep`` kept), the ``checkpoint`` event."""
+    events.phase("checkpoint")
+    saved = save_checkpoint(run_dir, step, state, keep)
+    events.emit("checkpoint", step=saved.step, path=str(saved.path), seconds=saved.seconds)
+    echo(f"checkpoint step {saved.step} -> {saved.path} ({saved.seconds:.2f}s)")
+    return saved
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run continues: the checkpoint's step, next data position and last tau."""
+
+    step: int
+    position: Position
+    tau: float
+    path: str
+
+
+def resume(
+    run_dir: Path,
+    drafter: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    map_location: str | torch.device,
+    clean: bool = True,
+) -> Resumed | None:
+    """Load the newest checkpoint of ``run_dir`` into drafter, optimizer and scheduler and
+    restore the RNG states; None when there is none. ``clean``: first delete the temp files a
+    killed writer left (one process per run dir does)."""
+    if clean:
+        remove_stale_temps(run_dir)
+    state = load_latest(run_dir, map_location=map_location)
+    if state is None:
+        return None
+    drafter.load_state_dict(state["drafter"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    resumed = Resumed(
+        int(state["step"]), Position(*state["position"]), float(state.get("tau", 1.0)), state["path"]
+    )
+    restore_rng(state)
+    return resumed
+
+
+# ------------------------------------------------------------------ start-up
+def compiles(config: RunConfig, device: torch.device) -> bool:
+    """Whether a run compiles: ``compile.enabled`` on, or auto on a GPU."""
+    mode = config.compile.enabled
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def data_cache_dir(config: RunConfig, default: Path) -> Path:
+    """``data.cache_dir``, else ``default`` (a run's: ``<run-dir>/data-cache``)."""
+    return Path(config.data.cache_dir).expanduser() if config.data.cache_dir else default
+
+
+def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path) -> TrainData:
+    """The run's tokenized data (cached in ``data_cache_dir``) with its bucket planner."""
+    tokenized = load_tokenized(
+        config.data,
+        tokenizer,
+        default_cache_dir(config.model.cache_dir),
+        data_cache_dir(config, default_cache),
+    )
+    return TrainData(tokenized, config.data)
+
+
+def emit_run_start(
+    events: EventWriter,
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    host: str,
+    world_size: int,
+    device: str,
+    **extra: Any,
+) -> None:
+    """The ``run_start`` event of this process."""
+    events.emit(
+        "run_start",
+        config=config.name,
+        run_dir=str(run_dir),
+        pid=os.getpid(),
+        host=host,
+        world_size=world_size,
+        device=device,
+        **extra,
+    )
+
+
+def announce_buckets(data: TrainData, events: EventWriter, echo: Echo) -> None:
+    """``phase: buckets``, the bucket table in the user's log format, the ``buckets`` event."""
+    events.phase("buckets")
+    table = data.planner.table()
+    echo(format_bucket_table(table))
+    events.emit("buckets", **table.event_fields())
+
+
+def load_run_target(
+    config: RunConfig, folder: str, tokenizer: Any, events: EventWriter | None
+) -> tuple[nn.Module, float]:
+    """The frozen target and the seconds it took; ``load_progress`` events when ``events``."""
+    started = time.monotonic()
+    if events is not None:
+        events.emit("load_progress", what="target", done=0, total=1, seconds=0.0)
+    target = load_model(config, folder)
+    check_vocab(target, tokenizer)
+    seconds = time.monotonic() - started
+    if events is not None:
+        events.emit("load_progress", what="target", done=1, total=1, seconds=seconds)
+    return target, seconds

@@ -1,0 +1,141 @@
+"""Real acceptance length: draft with the drafter, verify greedily with the target.
+
+Training accuracy overstates acceptance (each training block sees the true context);
+this measures what speculative decoding would get. Per prompt:
+
+1. Prefill: the target runs on the prompt ``x_0..x_{L-1}`` (``output_hidden_states``);
+   its greedy next token ``x_L`` is the first anchor. ``x_L`` has no hidden state yet.
+2. Round: the drafter proposes ``d_1..d_{B-1}`` for positions ``L+1..L+B-1`` from the
+   target's chosen hidden states of positions ``0..L-1`` and the anchor token ``x_L``
+   (``DFlashDrafter.propose``). The target runs on ``prompt + accepted + [x_L, d_1..d_{B-1}]``
+   and gives its greedy tokens ``g_1..g_B`` for positions ``L+1..L+B``.
+   ``n`` = the longest prefix with ``d_i == g_i`` (0..B-1). The round's acceptance length
+   is ``tau = n + 1``: the ``n`` accepted drafts plus the target's bonus token ``g_{n+1}``
+   (as in speculative decoding: the verify pass always yields one token). So 1 <= tau <= B.
+   ``x_L, d_1..d_n`` join the verified prefix (their hidden states come from this verify
+   pass, valid because attention is causal); ``g_{n+1}`` becomes the next anchor.
+3. Repeat until ``max_new_tokens`` tokens were produced for the prompt (each round adds
+   ``tau``), or the target emits ``eos_token_id`` (an accepted draft or the bonus token;
+   a prompt whose prefill token is EOS has no round).
+
+``tau_mean`` is the mean of ``tau`` over all rounds of all prompts; ``hist[i]`` counts the
+rounds with ``tau == i + 1`` (length B). The target is re-run on the whole sequence each
+round (no KV cache): slower, but correct for every architecture, including hybrid targets
+whose linear-attention state cannot be rolled back to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from training.model.drafter import DFlashDrafter, target_context
+
+
+@dataclass(frozen=True)
+class AcceptanceResult:
+    """Measured acceptance over a set of prompts (definitions in the module docstring)."""
+
+    tau_mean: float
+    hist: tuple[int, ...]  # hist[i] = rounds with tau == i + 1; len == block size
+    rounds: int
+    prompts: int
+    new_tokens: int
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _target_pass(target: Any, ids: Tensor, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Greedy tokens [T] and chosen hidden states [1, T, n*H] of one target forward."""
+    out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    greedy = out.logits[0].argmax(dim=-1)
+    return greedy, target_context(out.hidden_states, layer_ids)
+
+
+@torch.no_grad()
+def verify_round(
+    target: Any,
+    drafter: DFlashDrafter,
+    prefix: Tensor,
+    hidden: Tensor,
+    anchor: Tensor,
+    layer_ids: Sequence[int],
+) -> tuple[int, Tensor, Tensor, Tensor]:
+    """One draft-and-verify round.
+
+    prefix [L] verified tokens, hidden [1, L, n*H] their chosen hidden states, anchor: the
+    token at position L. Returns (tau, new prefix, its hidden states, next anchor).
+    """
+    bs = drafter.cfg.block_size
+    draft_dev = _device_of(drafter)
+    draft = drafter.propose(hidden.to(draft_dev), anchor.view(1).to(draft_dev))[0].to(prefix.device)
+    seq = torch.cat([prefix, anchor.view(1), draft])
+    greedy, seq_hidden = _target_pass(target, seq, layer_ids)
+    L = prefix.shape[0]
+    g = greedy[L : L + bs]  # g[i] = the target's token for position L+1+i
+    match = (draft == g[: bs - 1]).long()
+    n = int(match.cumprod(dim=0).sum().item())
+    new_prefix = torch.cat([prefix, anchor.view(1), draft[:n]])
+    return n + 1, new_prefix, seq_hidden[:, : new_prefix.shape[0]], g[n]
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    target: Any,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    target_layer_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+) -> AcceptanceResult:
+    """Mean real acceptance length of ``drafter`` against the greedy ``target`` (module docstring).
+
+    ``target``: a transformers causal LM (``output_hidden_states`` supported), in eval mode.
+    ``target_layer_ids``: the layers the drafter was trained on (``drafter.target_layer_ids``).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"evaluate_acceptance: max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("evaluate_acceptance: prompts must be a non-empty list of non-empty token lists")
+    bs = drafter.cfg.block_size
+    hist = [0] * bs
+    new_tokens = 0
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        dev = _device_of(target)
+        for prompt in prompts:
+            prefix = torch.tensor(prompt, dtype=torch.long, device=dev)
+            greedy, hidden = _target_pass(target, prefix, target_layer_ids)
+            anchor = greedy[-1]
+            produced = 0
+            if eos_token_id is not None and int(anchor.item()) == eos_token_id:
+                continue
+            while produced < max_new_tokens:
+                tau, prefix, hidden, anchor = verify_round(
+                    target, drafter, prefix, hidden, anchor, target_layer_ids
+                )
+                hist[tau - 1] += 1
+                produced += tau
+                emitted = prefix[-(tau - 1) :] if tau > 1 else prefix[:0]
+                if eos_token_id is not None and (
+                    int(anchor.item()) == eos_token_id or bool((emitted == eos_token_id).any())
+                ):
+                    break
+            new_tokens += produced
+    finally:
+        drafter.train(was_training)
+    rounds = sum(hist)
+    tau_mean = sum((i + 1) * c for i, c in enumerate(hist)) / max(rounds, 1)
+    return AcceptanceResult(
+        tau_mean=tau_mean, hist=tuple(hist), rounds=rounds, prompts=len(prompts), new_tokens=new_tokens
+    )

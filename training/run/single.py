@@ -1,0 +1,307 @@
+"""The single-process trainer: target and drafter on one device (CPU or one GPU).
+
+The target forward (``training.model.target.target_forward``) makes the hidden states and the
+drafter step of ``training.run.core`` consumes them, the same step the drafter ranks of an N+M
+job run on hidden states from other processes (``training.run.distributed``). Anchors are drawn
+from a generator seeded by the batch's data position, so a resumed run draws exactly the
+anchors the uninterrupted one would.
+
+Resume is automatic: a run dir that holds checkpoints continues from the newest one
+(model, optimizer, scheduler, data position, RNG). SIGTERM/SIGINT finish the current
+step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from training.compile import warm
+from training.config import RunConfig, load_config, write_config
+from training.data.buckets import Position
+from training.data.dataset import Batch
+from training.events import EventWriter, print0
+from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.run import core
+from training.run.checkpoint import check_resumable
+from training.run.eval import evaluate_acceptance
+from training.wandb_logger import NullLogger, make_logger
+
+
+class Trainer:
+    """Builds everything for a run config in ``run_dir`` and trains (``train()``)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, *, rank: int = 0, eval_only: bool = False) -> None:
+        self.config = config
+        self.run_dir = run_dir.resolve()
+        self.events = EventWriter(self.run_dir, rank=rank, role="single")
+        self.started = time.monotonic()
+        self.device = resolve_device(config.model.device)
+        self.step = 0
+        self.position = Position()
+        self.last_tau = 1.0
+        self._stop_signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self.eval_only = eval_only
+        core.set_threads(config)
+        if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
+            self.logger, logger_line = NullLogger("eval"), ""
+            return
+        check_resumable(config, self.run_dir)
+        self.logger, logger_line = make_logger(config, self.run_dir)
+        write_config(config, self.run_dir)
+        core.emit_run_start(
+            self.events,
+            config,
+            self.run_dir,
+            host=socket.gethostname(),
+            world_size=1,
+            device=str(self.device),
+        )
+        print0(f"run {self.run_dir} config={config.name} device={self.device}")
+        print0(logger_line)
+        self._install_signals()  # a SIGTERM while loading stops cleanly before the first step
+
+    # ----------------------------------------------------------------- setup
+    def _phase(self, phase: str) -> None:
+        """A phase event; an eval-only process reports only its ``eval`` phase."""
+        if not self.eval_only:
+            self.events.phase(phase)
+
+    def setup(self, *, quiet_data: bool = False) -> None:
+        cfg = self.config
+        self._phase("load_data")
+        folder, tok_dir = model_source(cfg)
+        self.tokenizer = load_tokenizer(tok_dir)
+        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE)
+        if not quiet_data:
+            core.announce_buckets(self.data, self.events, print0)
+
+        self._phase("load_target")
+        print0(f"Loading target ({cfg.model.kind}) {folder or '(random weights)'}...")
+        self.target, seconds = core.load_run_target(
+            cfg, folder, self.tokenizer, None if self.eval_only else self.events
+        )
+        print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
+
+        self._phase("load_drafter")
+        self.drafter = core.build_drafter(cfg, self.target, self.device)
+        self.layer_ids = list(self.drafter.target_layer_ids)
+        count = sum(p.numel() for p in core.trainable_parameters(self.drafter))
+        print0(
+            f"Drafter: {cfg.drafter.num_layers} layers, {count / 1e6:.2f}M params, "
+            + f"target layers {self.layer_ids}"
+        )
+        self.optimizer, self.scheduler = core.build_optimizer(cfg, self.drafter)
+        self._setup_compile()
+        self._resume()
+
+    def _setup_compile(self) -> None:
+        self.compiled = core.compiles(self.config, self.device)
+        if not self.compiled:
+            return
+        self._phase("compile")
+        self.compile_reporter = warm.prepare_compile(
+            self.config,
+            self.drafter,
+            self.data.planner,
+            self.device,
+            echo=print0,
+            prewarm_dtype=None if self.eval_only else self.target.get_input_embeddings().weight.dtype,
+        )
+
+    def _resume(self) -> None:
+        resumed = core.resume(  # RNG states must stay on CPU
+            self.run_dir, self.drafter, self.optimizer, self.scheduler, map_location="cpu"
+        )
+        if resumed is None:
+            return
+        self.step, self.position, self.last_tau = resumed.step, resumed.position, resumed.tau
+        if self.eval_only:
+            print0(f"Loaded {resumed.path} (step {self.step})")
+        else:
+            print0(f"Resumed from {resumed.path} at step {self.step}, next batch {self.position}")
+
+    # ----------------------------------------------------------------- loop
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self._stop_signal = signum
+        print0(f"signal {signal.Signals(signum).name}: finishing the step, then checkpoint and stop")
+
+    def _install_signals(self) -> None:
+        """SIGTERM/SIGINT only set a flag; the loop stops at the next step boundary."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum not in self._previous_handlers:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def next_batch(self) -> Batch:
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch, self.position = self.data.batch(self.position, pad_id, pad_to_bucket=self.compiled)
+        return batch
+
+    def train_step(self, batch: Batch) -> core.StepResult:
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        mask = batch.loss_mask.to(self.device, non_blocking=True)
+        hidden = target_forward(self.target, ids, self.layer_ids)
+        return self.drafter_step(
+            ids, mask, hidden, core.batch_anchors(self.config, mask, batch.lengths, batch.position)
+        )
+
+    def drafter_step(
+        self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
+    ) -> core.StepResult:
+        """One optimizer step of this trainer's drafter on given hidden states."""
+        return core.drafter_step(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            ids,
+            mask,
+            hidden,
+            anchors,
+            grad_clip=self.config.train.grad_clip,
+        )
+
+    def checkpoint(self) -> None:
+        state = core.checkpoint_state(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            position=self.position,
+            tau=self.last_tau,
+            config=self.config,
+        )
+        core.write_checkpoint(
+            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0
+        )
+
+    def evaluate(self) -> None:
+        cfg = self.config.eval
+        prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts)
+        if not prompts:
+            print0("eval: no held-out prompts, skipped")
+            return
+        self.events.phase("eval")
+        t0 = time.monotonic()
+        result = evaluate_acceptance(
+            self.target,
+            self.drafter,
+            prompts,
+            self.layer_ids,
+            cfg.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.events.emit(
+            "eval",
+            step=self.step,
+            tau_mean=result.tau_mean,
+            tau_hist=list(result.hist),
+            tau_estimate=self.last_tau,
+        )
+        self.logger.log({"eval/tau_mean": result.tau_mean, "eval/tau_estimate": self.last_tau}, self.step)
+        print0(
+            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} (training estimate {self.last_tau:.3f}) "
+            f"over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
+            f"({time.monotonic() - t0:.1f}s)"
+        )
+
+    def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
+        shape = core.batch_shape(batch.input_ids, batch.lengths)
+        core.report_step(
+            self.events,
+            result,
+            step=self.step,
+            total_steps=self.config.train.steps,
+            epoch=batch.position.epoch,
+            tokens_per_s=shape["tokens"] / max(seconds, 1e-9),
+            device=self.device,
+            echo=print0,
+            logger=self.logger,
+            **shape,
+            step_s=seconds,
+        )
+
+    def train(self) -> int:
+        """Train to ``train.steps``; returns the steps done. Emits done/stopped."""
+        cfg = self.config
+        self._install_signals()  # already installed by __init__ unless train() runs again
+        try:
+            self.events.phase("train")
+            last_saved = self.step
+            while self.step < cfg.train.steps:
+                if self._stop_signal is not None:  # arrived during setup, eval or a checkpoint
+                    return self._stop(last_saved)
+                t0 = time.monotonic()
+                batch = self.next_batch()
+                result = self.train_step(batch)
+                self.step += 1
+                if self.compiled:
+                    self.compile_reporter.report(self.events)  # first step, then on any new compile
+                self.last_tau = result.tau
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
+                    self._log_step(result, batch, time.monotonic() - t0)
+                if self._stop_signal is not None:
+                    return self._stop(last_saved)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.checkpoint()
+                    last_saved = self.step
+                    self.events.phase("train")
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                    self.evaluate()
+                    self.events.phase("train")
+            if last_saved != self.step:
+                self.checkpoint()
+            if cfg.eval.num_prompts > 0:
+                self.evaluate()
+            self.events.phase("done")
+            self.events.emit("done", steps=self.step, seconds=time.monotonic() - self.started)
+            print0(f"done: {self.step} steps in {time.monotonic() - self.started:.1f}s")
+            return self.step
+        finally:
+            self._restore_signals()
+
+    def _stop(self, last_saved: int) -> int:
+        """A stop signal came: checkpoint unless this step is saved, ``phase: stopped``."""
+        if last_saved != self.step:
+            self.checkpoint()
+        self.events.phase("stopped")
+        print0(f"stopped at step {self.step} (checkpointed)")
+        return self.step
+
+    def close(self) -> None:
+        self._restore_signals()
+        self.logger.finish()
+        self.events.close()
+
+
+def train(config_name: str, run_dir: Path, overrides: list[str]) -> int:
+    """``python -m training train`` (one process): run or resume a training run; the steps done."""
+    config = load_config(config_name, overrides)
+    trainer = Trainer(config, run_dir)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def evaluate_run(config: RunConfig, run_dir: Path) -> None:
+    """``python -m training eval``: the newest checkpoint of ``run_dir`` against its target."""
+    trainer = Trainer(config, run_dir, eval_only=True)
+    try:
+        trainer.setup(quiet_data=True)
+        if trainer.step == 0:
+            print0(f"eval: no checkpoint in {trainer.run_dir}/checkpoints; evaluating an untrained drafter")
+        trainer.evaluate()
+    finally:
+        trainer.close()
