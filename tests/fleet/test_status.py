@@ -528,6 +528,7 @@ def test_all_targets_table_has_one_row_per_target() -> None:
         ("cpp_abort.log", "cpp-abort"),
         ("dynamo_unsupported.log", "python-traceback"),
         ("disk_full.log", "disk-full"),
+        ("rendezvous_timeout.log", "rendezvous"),
     ],
 )
 def test_fab_status_log_alone_ending_in_a_fatal_error_is_failed(
