@@ -18,7 +18,7 @@ import tarfile
 from functools import cache
 from pathlib import Path
 
-CORPUS_ARCHIVE = Path(__file__).resolve().parent / "assets" / "python-stdlib-3.11.7.tar.gz"
+CORPUS_ARCHIVE = Path(__file__).resolve().parents[1] / "assets" / "python-stdlib-3.11.7.tar.gz"
 CORPUS_SHA256 = "d9ecec0cfc03f0922d52c38512cb7d7b57ef722b1d717700e6b056da926a1c84"
 
 

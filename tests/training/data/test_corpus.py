@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from testkit import REPO, require_other_pythons
 
-from training import corpus
+from training.data import corpus
 
 BUILD = (
-    "import sys; from pathlib import Path; from training.corpus import build_default_corpus; "
+    "import sys; from pathlib import Path; from training.data.corpus import build_default_corpus; "
     "print(build_default_corpus(Path(sys.argv[1]), 40, 8, 2))"
 )
 
