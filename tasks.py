@@ -78,7 +78,12 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
         raise Exit(code=code)
 
 
-@fleet_task(help={"out": "PNG path (default <target>-<run>.png)", "log": "a local run dir or events.jsonl"})
+@fleet_task(
+    help={
+        "out": "PNG path (default .fleet/plots/<target>-<run>.png)",
+        "log": "a local run dir or events.jsonl",
+    }
+)
 def plot(c: Context, out: str = "", log: str = "") -> None:
     """Plot loss, tau and tokens/s of the latest run as a PNG."""
     from fleet import plot as fleet_plot
@@ -201,14 +206,12 @@ def doctor(c: Context, json: bool = False, bandwidth: bool = False, tokens_per_s
 def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
     """Probe target and drafter rates; predict each N+M split."""
     from fleet import gpus as fleet_gpus
+    from fleet import runs
 
     with single_target(c) as target:
-        spec = target.spec
-        if spec.gpus > 0:
+        if target.spec.gpus > 0:
             fleet_gpus.gate(target)  # the probe needs the GPUs to itself
-        argv = [spec.run_python, "-m", spec.run.module, "plan", "--config", spec.run.config]
-        argv += [*spec.run.overrides, "--gpus", str(gpus or spec.gpus or 2), *(["--json"] if json else [])]
-        print(target.run(argv, cwd=spec.layout.current, env=dict(spec.run.env)).stdout.rstrip("\n"))
+        print(runs.plan(target, gpus or target.spec.gpus or 2, as_json=json))
 
 
 ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)

@@ -5,13 +5,16 @@ Every Fabric task in ``tasks.py`` is a ``@fleet_task``. Inside, a task picks its
 (read-only tasks, which also accept ``FLEET_TARGET=all`` and then run on every target in
 parallel, one ``Target`` per thread: printed grouped by target, or returned in inventory order).
 A ``FleetError`` raised anywhere below is caught here, once, and printed as
-``fleet: <target>: <message>`` on stderr; the exit code is the error's. Anything else is a bug
-and keeps its traceback.
+``fleet: <target>: <message>`` on stderr; the exit code is the error's. A reader that closes
+the output early (``fab stop | head``) ends the task quietly with exit 141, as SIGPIPE would.
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +32,7 @@ from fleet.target import Target, open_target
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 MAX_PARALLEL = 16
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 
 
 def repo_root() -> Path:
@@ -74,11 +78,19 @@ def fleet_task(*args: Any, **kwargs: Any) -> Any:
         @functools.wraps(func)
         def wrapper(ctx: Context, *a: Any, **kw: Any) -> Any:
             try:
-                return func(ctx, *a, **kw)
+                result = func(ctx, *a, **kw)
+                sys.stdout.flush()  # here, not at interpreter exit, so a closed pipe is caught below
+                return result
             except FleetError as err:
-                sys.stdout.flush()
+                with contextlib.suppress(BrokenPipeError):
+                    sys.stdout.flush()
                 print(error_line(err), file=sys.stderr, flush=True)
                 raise Exit(code=err.exit_code) from None
+            except BrokenPipeError:
+                # The reader went away (`fab stop | head`): what the task did stands; nothing
+                # more to say. Output goes nowhere from now on, so Python's exit flush cannot fail.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise Exit(code=BROKEN_PIPE_EXIT) from None
 
         return task(**kwargs)(wrapper)
 

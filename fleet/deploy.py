@@ -11,11 +11,13 @@ A deploy costs two commands on the target (two SSH round trips), both fixed scri
    touched), remove leftovers of killed deploys (``releases/.tmp-*``), extract into
    ``releases/.tmp-<id>/``, check the manifest arrived, ``mv -T`` it to ``releases/<id>``, point a new
    symlink at it under a temporary name and ``mv -T`` that onto ``current`` (one rename(2): readers
-   see the old release or the new one, never neither), then delete the releases Python chose to prune.
+   see the old release or the new one, never neither), then prune to exactly ``keep_releases``
+   (``releases_to_prune``'s rule, applied under the lock to what is really there).
 
 A deploy killed or cut before that last rename leaves the previous release current and intact.
-Release ids are ``YYYYmmddTHHMMSSZ-<sha7>[-dirty]`` and sort by time; two deploys in the same second
-get distinct ids because the timestamp is bumped past the newest existing release.
+Release ids are ``YYYYmmddTHHMMSSZ-<sha7>[-dirty]`` and sort by time: the timestamp is bumped past
+the newest existing release, and the install step checks under the lock that the id is still new
+(two deploys that prepared in the same second get distinct ids: the later one proposes again).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fleet import remote
-from fleet.errors import CommandFailed, DeployError
+from fleet.errors import CommandFailed, DeployError, DiskFull
 from fleet.inventory import TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import Target
@@ -125,14 +127,16 @@ def make_release_id(now: dt.datetime, sha7: str, dirty: bool, existing: Iterable
 
 
 def releases_to_prune(existing: Iterable[str], keep: int, protected: Iterable[str | None] = ()) -> list[str]:
-    """The release ids to delete so that the newest ``keep`` remain; ``protected`` are never deleted.
+    """The release ids to delete so that exactly ``keep`` remain (the rule deploy_install.sh applies).
 
     Only names in the release-id format are ever considered (nothing else in ``releases/`` is
-    touched). Protected releases (the current one, one a live run uses) count towards ``keep``.
+    touched). Protected releases (the new one, one a live run uses) are never deleted and count
+    towards ``keep``; the newest of the others fill the remaining places.
     """
     ids = sorted((r for r in set(existing) if RELEASE_ID_RE.match(r)), reverse=True)
-    keep_set = set(ids[: max(keep, 1)]) | {p for p in protected if p}
-    return sorted(r for r in ids if r not in keep_set)
+    guarded = {p for p in protected if p in ids}
+    others = [r for r in ids if r not in guarded]
+    return sorted(others[max(max(keep, 1) - len(guarded), 0) :])
 
 
 def parse_sections(text: str, last: str | None = None) -> dict[str, str]:
@@ -280,6 +284,8 @@ def _user() -> str:
 
 
 DEPLOY_LOCKED_EXIT = 75  # deploy_install.sh: the workdir's deploy lock is held by another deploy
+ID_TAKEN_EXIT = 76  # deploy_install.sh: the release id is taken or not the newest (a concurrent deploy)
+ID_ATTEMPTS = 5
 
 
 def _sh(target: Target, argv: Sequence[str], what: str, **kwargs: Any) -> str:
@@ -287,16 +293,21 @@ def _sh(target: Target, argv: Sequence[str], what: str, **kwargs: Any) -> str:
     try:
         result = target.run(argv, **kwargs)
     except CommandFailed as err:
-        if err.command_exit_code == DEPLOY_LOCKED_EXIT:
-            raise DeployError(
-                f"{target.name}: another `fab deploy` into {target.spec.workdir} is running; "
-                "nothing was changed: wait for it to finish, then retry"
-            ) from None
-        raise DeployError(
-            f"{target.name}: {what} failed ({err.stderr_tail or f'exit {err.command_exit_code}'}); "
-            f"the previous release is still current; check {target.spec.workdir} and retry `fab deploy`"
-        ) from None
+        raise _deploy_error(target, what, err) from None
     return result.stdout
+
+
+def _deploy_error(target: Target, what: str, err: CommandFailed) -> DeployError:
+    if err.command_exit_code == DEPLOY_LOCKED_EXIT:
+        return DeployError(
+            f"{target.name}: another `fab deploy` into {target.spec.workdir} is running; "
+            "nothing was changed: wait for it to finish, then retry"
+        )
+    why = f"no space left on device: {err.stderr_tail}" if isinstance(err, DiskFull) else err.stderr_tail
+    return DeployError(
+        f"{target.name}: {what} failed ({why or f'exit {err.command_exit_code}'}); "
+        f"the previous release is still current; check {target.spec.workdir} and retry `fab deploy`"
+    )
 
 
 def prepare(target: Target) -> RemoteState:
@@ -314,22 +325,37 @@ def tar_chunks(data: bytes, size: int = 256 * 1024) -> Iterator[bytes]:
 
 
 def deploy(target: Target, repo_root: Path) -> Release:
-    """Build, upload and switch to a new release on ``target``; prune old ones. Returns the new one."""
+    """Build, upload and switch to a new release on ``target``; prune old ones. Returns the new one.
+
+    The release id is proposed here and checked under the deploy lock on the target: when a
+    deploy that prepared at the same time took it first (or a newer one), the target says so with
+    the ids it has, and this deploy proposes the next free id and uploads again (never two
+    releases with one id; the ids stay in time order)."""
     spec = target.spec
     layout = spec.layout
     git = git_info(repo_root)
     state = prepare(target)
-    now = dt.datetime.now(dt.UTC)
-    release_id = make_release_id(now, git.sha7, git.dirty, state.releases)
-    data, manifest = build_release_tar(repo_root, release_id, spec, git, now)
-    prune = releases_to_prune(
-        [*state.releases, release_id], spec.keep_releases, [release_id, state.current_id, state.live_release]
+    known = list(state.releases)
+    for _attempt in range(ID_ATTEMPTS):
+        now = dt.datetime.now(dt.UTC)
+        release_id = make_release_id(now, git.sha7, git.dirty, known)
+        data, manifest = build_release_tar(repo_root, release_id, spec, git, now)
+        protected = [p for p in (state.live_release,) if p and p != release_id]
+        args = [spec.workdir, f".tmp-{release_id}", release_id, str(spec.keep_releases), *protected]
+        # Named like Target.put_tar's command: it is the release upload (tools and tests recognise it by it).
+        install = remote.sh("deploy_install.sh", *args, dollar0="fleet-put-tar")
+        try:
+            target.run(install, stdin=tar_chunks(data), timeout=600)
+        except CommandFailed as err:
+            if err.command_exit_code != ID_TAKEN_EXIT:
+                raise _deploy_error(target, f"installing release {release_id}", err) from None
+            known = [*known, release_id, *prepare(target).releases]  # what got in first
+            continue
+        return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
+    raise DeployError(
+        f"{target.name}: {ID_ATTEMPTS} deploys into {spec.workdir} took each release id this deploy "
+        "proposed; nothing was changed by this one: retry when the others are done"
     )
-    args = [spec.workdir, f".tmp-{release_id}", release_id, *prune]
-    # Named like Target.put_tar's command: it is the release upload (tools and tests recognise it by it).
-    install = remote.sh("deploy_install.sh", *args, dollar0="fleet-put-tar")
-    _sh(target, install, f"installing release {release_id}", stdin=tar_chunks(data), timeout=600)
-    return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
 
 
 def current_release(target: Target) -> Release | None:

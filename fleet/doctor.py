@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rich.console import Console
 from rich.table import Table
 
-from fleet import remote
+from fleet import remote, runs
 from fleet.envs import cuda_mismatch
 from fleet.errors import FleetError, tail_lines
 from fleet.gpus import Answer, GpuHealth, parse_health_xml, smi_failure
@@ -1451,10 +1451,10 @@ def measure_bandwidth(
     size = needs.batch_hidden_bytes if needs.known else 65536 * per_token
     args = ["--bytes", str(size), "--timeout", f"{timeout_s:g}"]
     args += ["--gpus", f"{t_gpu},{d_gpu}"] if spec.gpus > 0 else ["--cpu"]
-    script = remote.path("doctor_bandwidth.py").read_bytes()
-    # the run's own environment (e.g. NCCL_* settings of the inventory's run.env), never shown
-    argv = [spec.run_python, "-I", "-", *args]
-    res = target.run(argv, env=dict(spec.run.env), stdin=script, check=False, timeout=timeout_s + 60)
+    # The run's own environment (e.g. NCCL_* settings of the inventory's run.env) on stdin, as for
+    # the run itself: never in argv (`ps`); the probe is the `-c` program (nothing is deployed).
+    argv = [spec.run_python, "-I", "-c", remote.script("doctor_bandwidth.py"), *args]
+    res = runs.run_with_env(target, argv, in_current=False, timeout=timeout_s + 60)
     try:
         data = json.loads(res.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):

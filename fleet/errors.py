@@ -9,6 +9,7 @@ shows its traceback.
     ├── ConfigError              exit 2  inventory, run config or task arguments are wrong
     ├── TargetError              exit 3  a target cannot be reached or used
     │   └── CommandFailed        exit 3  a command on a target exited non-zero
+    │       └── DiskFull         exit 3  ... because the target's disk is full
     ├── DeployError              exit 4  a release could not be put in place
     ├── RunError                 exit 5  no run / a run is already live / stop failed
     ├── EnvError                 exit 6  an environment is missing, drifted or failed to build
@@ -65,6 +66,20 @@ class CommandFailed(TargetError):
         if hint:
             message += f" ({hint})"
         super().__init__(message)
+
+
+class DiskFull(CommandFailed):
+    """A command on a target failed because its disk is full (ENOSPC): the cause, then the command."""
+
+    def __init__(self, target: str, argv: Sequence[str], exit_code: int, stderr: str, where: str, path: str):
+        super().__init__(target, argv, exit_code, stderr)
+        shown = " ".join(self.argv)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        self.args = (
+            f"{target}: no space left on device on {where} (`{shown}` exited {exit_code}: "
+            f"{tail_lines(stderr, 2)}); free space there (`df -h {path}`) and retry",
+        )
 
 
 class DeployError(FleetError):

@@ -317,8 +317,9 @@ def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSp
     identity = raw.get("identity_file")
     if identity is not None:
         _check_type(identity, str, f"{key}.identity_file", "a path string", path)
-        identity = _local_path(identity, path)
-    known_hosts = _local_path(_str(raw, "known_hosts", key, path, default=KNOWN_HOSTS), path)
+        identity = _local_path(identity, path, f"{key}.identity_file")
+    known_hosts = _str(raw, "known_hosts", key, path, default=KNOWN_HOSTS)
+    known_hosts = _local_path(known_hosts, path, f"{key}.known_hosts")
     return SshSpec(
         user=m.group(1) or getpass.getuser(),
         hostname=hostname.strip("[]"),
@@ -360,6 +361,44 @@ def _parse_container(key: str, raw: Any, path: Path) -> ContainerSpec | None:
     raise ConfigError(f"{path}: {ckey}.type = {kind!r}; use {example}")
 
 
+# fleet's tree under a workdir (bin/uv, envs/, releases/, runs/, current, ...) must never land on
+# system paths: not inside these trees at all ...
+SYSTEM_TREES = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/sbin",
+    "/sys",
+    "/usr",
+)
+# ... and not directly in these directories (a directory of its own below them is fine).
+SYSTEM_DIRS = (
+    "/",
+    "/home",
+    "/media",
+    "/mnt",
+    "/opt",
+    "/root",
+    "/run",
+    "/srv",
+    "/tmp",
+    "/var",
+    "/var/cache",
+    "/var/lib",
+    "/var/local",
+    "/var/log",
+    "/var/opt",
+    "/var/spool",
+    "/var/tmp",
+)
+
+
 def _parse_workdir(key: str, raw: Any, local: bool, path: Path) -> str:
     wkey = f"{key}.workdir"
     if raw is None:
@@ -368,13 +407,26 @@ def _parse_workdir(key: str, raw: Any, local: bool, path: Path) -> str:
     _check_type(raw, str, wkey, "a path string", path)
     if not raw.strip() or any(c in raw for c in "\0\n\r"):
         raise ConfigError(f"{path}: {wkey} = {raw!r} is empty or has control characters; write a plain path")
+    if ".." in raw.split("/"):
+        raise ConfigError(f"{path}: {wkey} = {raw!r} goes through '..'; write the directory's own path")
     if local:
-        return _local_path(raw, path)
-    if not raw.startswith("/"):
+        workdir = _local_path(raw, path)
+    elif not raw.startswith("/"):
         raise ConfigError(
             f'{path}: {wkey} = {raw!r}: a remote workdir must be absolute; e.g. workdir = "/workspace/fleet"'
         )
-    return os.path.normpath(raw)
+    else:
+        workdir = os.path.normpath(raw).replace("//", "/")
+    system = [d for d in SYSTEM_DIRS if workdir == d]
+    system += [t for t in SYSTEM_TREES if workdir == t or workdir.startswith(t + "/")]
+    if local and workdir == os.path.expanduser("~"):
+        system.append(workdir)
+    if system:
+        raise ConfigError(
+            f"{path}: {wkey} = {raw!r} would put fleet's tree (bin/, envs/, releases/, runs/) into "
+            f'{system[0]}; give it a directory of its own, e.g. workdir = "/workspace/fleet"'
+        )
+    return workdir
 
 
 def _parse_uv_cache(key: str, raw: Any, local: bool, path: Path) -> str:
@@ -440,6 +492,12 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
     overrides = raw.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f'{path}: {rkey}.overrides must be a list of strings; e.g. ["--train.steps=50"]')
+    for i, override in enumerate(overrides):
+        if "\0" in override:
+            raise ConfigError(
+                f"{path}: {rkey}.overrides[{i}] = {override!r} has a NUL byte, which no command line "
+                "can carry; remove it"
+            )
     env = raw.get("env", {})
     _check_type(env, dict, f"{rkey}.env", 'a table of strings; e.g. { HF_HOME = "/data/hf" }', path)
     for env_key, value in env.items():
@@ -452,6 +510,10 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
             # The value itself may be a secret: name only its type.
             raise ConfigError(
                 f"{path}: {rkey}.env.{env_key} must be a string, not {_type_name(value)}; quote it"
+            )
+        if "\0" in value:  # never shown: it may be a secret
+            raise ConfigError(
+                f"{path}: {rkey}.env.{env_key} has a NUL byte, which no environment can carry; remove it"
             )
     return RunSpec(module=module, config=config, overrides=tuple(overrides), env=MappingProxyType(dict(env)))
 
@@ -472,8 +534,10 @@ def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:
 # --- small checks -------------------------------------------------------------------------------
 
 
-def _local_path(value: str, path: Path) -> str:
+def _local_path(value: str, path: Path, key: str = "") -> str:
     """A path on this machine: ``~`` expanded, relative paths from the inventory's directory."""
+    if "\0" in value:
+        raise ConfigError(f"{path}: {key or 'a path'} = {value!r} has a NUL byte; write a plain path")
     p = Path(value).expanduser()
     if not p.is_absolute():
         p = path.parent / p

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleet.errors import ConfigError, RunError
+from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
 from training.contract import parse_events
 
@@ -134,7 +135,13 @@ def plot_target(target: Target, out: str = "") -> Path:
     return _plot(got.events_text, got.events_truncated, target.name, got.facts.run_id, out)
 
 
+def default_path(name: str, run_id: str) -> Path:
+    """``<checkout>/.fleet/plots/<target>-<run>.png``: git ignores .fleet/, so a plot never makes
+    the next release ``-dirty`` (the current directory is usually the checkout)."""
+    return REPO_ROOT / ".fleet" / "plots" / f"{name}-{run_id}.png"
+
+
 def _plot(events_text: str, truncated: bool, name: str, run_id: str, out: str) -> Path:
     events = parse_events(events_text, truncated=truncated).events
-    dest = Path(out) if out else Path(f"{name}-{run_id}.png")
+    dest = Path(out) if out else default_path(name, run_id)
     return plot_png(series_from_events(events), dest, f"{name}  {run_id}")

@@ -24,7 +24,7 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal
@@ -34,7 +34,8 @@ from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import RUN_SESSION
-from fleet.target import Target
+from fleet.status.diagnose import find_traceback
+from fleet.target import CommandResult, Target, scrub
 
 RunState = Literal["live", "exited", "never"]
 RUN_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([A-Za-z0-9_.-]+)$")
@@ -151,6 +152,43 @@ def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
     return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]
 
 
+def run_with_env(
+    target: Target,
+    argv: Sequence[str],
+    *,
+    stream: bool = False,
+    in_current: bool = True,
+    timeout: float | None = None,
+) -> CommandResult:
+    """Run ``argv`` with the run's environment (``run_env``), as every task that needs it does
+    (``fab warm``, ``fab plan``, ``fab doctor --bandwidth``, ...): the values go on stdin to
+    ``remote/with_env.sh``, never into argv (``ps`` on the host and in the container), a file or
+    an error message. In ``<workdir>/current`` unless not ``in_current`` (nothing deployed yet);
+    ``stream`` shows the output as it comes. Never raises on a non-zero exit."""
+    spec = target.spec
+    env = run_env(spec)
+    where = spec.layout.current if in_current else None
+    run = target.run_stream if stream else target.run
+    argv = [str(a) for a in argv]
+    res = run(
+        remote.sh("with_env.sh", *argv), cwd=where, check=False, stdin=env_file_text(env), timeout=timeout
+    )
+    return replace(res, argv=tuple(argv), stderr=scrub(res.stderr, env))
+
+
+def failure_summary(output: str, exit_code: int) -> str:
+    """One line saying why a trainer command failed: its own ``... failed: ...`` summary line, else
+    the exception of its last traceback, else its last lines."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith("warm: failed")]
+    if own:
+        return own[-1]
+    tb = find_traceback(output)
+    if tb is not None:
+        return f"{tb.exception} (at {tb.file}:{tb.line})"
+    return tail_lines(output, 3) or f"exit {exit_code}"
+
+
 def warm_cache(target: Target, *, if_needed: bool) -> bool:
     """``fab warm`` (and ``fab train`` unless --no-warm): compile the run config's shapes into the
     target's compile cache, in ``<workdir>/current``, output streamed. Skipped (False) when the run
@@ -158,15 +196,31 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     spec = target.spec
     if spec.run.module != "training":
         return False
-    argv = remote.sh("run_warm.sh", *warm_argv(spec, if_needed=if_needed))
-    res = target.run_stream(argv, cwd=spec.layout.current, check=False, stdin=env_file_text(run_env(spec)))
+    res = run_with_env(target, warm_argv(spec, if_needed=if_needed), stream=True)
     if res.exit_code != 0:
-        why = tail_lines(res.stderr, 3) or f"exit {res.exit_code}"
         raise RunError(
-            f"{target.name}: compile-cache warm-up failed ({why}); fix it (`fab deploy` if nothing is "
-            "deployed) or start without it: `fab train --no-warm`"
+            f"{target.name}: compile-cache warm-up failed ({failure_summary(res.stderr, res.exit_code)}); "
+            "fix it (`fab deploy` if nothing is deployed) or start without it: `fab train --no-warm`"
         )
     return True
+
+
+def plan_argv(spec: TargetSpec, gpus: int, *, as_json: bool) -> list[str]:
+    """``<python> -m <module> plan --config C <overrides> --gpus G [--json]`` (the split advisor)."""
+    argv = [spec.run_python, "-m", spec.run.module, "plan", "--config", spec.run.config, *spec.run.overrides]
+    return [*argv, "--gpus", str(gpus), *(["--json"] if as_json else [])]
+
+
+def plan(target: Target, gpus: int, *, as_json: bool) -> str:
+    """``fab plan``: the split advisor's output, run on the target with the run's environment."""
+    res = run_with_env(target, plan_argv(target.spec, gpus, as_json=as_json))
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{target.spec.run.module} plan` failed "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); `fab deploy` first if "
+            "nothing is deployed"
+        )
+    return res.stdout.rstrip("\n")
 
 
 def env_file_text(env: Mapping[str, str]) -> bytes:
@@ -335,7 +389,10 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
                 "run `fab deploy` again"
             ) from None
         why = err.stderr_tail or f"exit {err.command_exit_code}"
-        raise RunError(f"{target.name}: could not start run {run_id}: {why}") from None
+        raise RunError(
+            f"{target.name}: could not start run {run_id}: {why}; nothing of it was kept (runs/latest "
+            "still names the previous run): fix the cause and `fab train` again"
+        ) from None
     return info
 
 

@@ -18,6 +18,7 @@ import codecs
 import contextlib
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -31,8 +32,8 @@ from typing import IO, Literal, TextIO
 import paramiko
 from fabric import Config, Connection
 
-from fleet import remote
-from fleet.errors import CommandFailed, TargetError
+from fleet import known_hosts, remote
+from fleet.errors import CommandFailed, ConfigError, DiskFull, TargetError
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import Layout
 
@@ -56,6 +57,8 @@ DRAIN_S = 10.0
 # repeat it on stderr (via logging's last-resort handler), so they go nowhere.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
+# A full disk as commands report it: strerror(ENOSPC) / strerror(EDQUOT), and GNU tar's short write.
+DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|tar: .*: Wrote only \d+ of \d+ bytes")
 CONTAINER_DOWN_MARKERS = ("not running", "failed to get init pid", "does not exist", "no container")
 
 
@@ -210,8 +213,13 @@ class Target:
                 self._check_container()
         if not check:
             return result
-        shown = self.command_for(argv, env=env, cwd=cwd, where=where, masked=True)
-        stderr = _scrub(raw.stderr or raw.stdout, env)
+        # What the user can act on: the command (a shipped script by its name), its cwd and env
+        # (values masked), not the container and environment wrappers around it.
+        shown = self.command_for(_display(argv), env=env, cwd=cwd, where="host", masked=True)
+        stderr = scrub(raw.stderr or raw.stdout, env)
+        if DISK_FULL.search(stderr):
+            where = self.spec.display
+            raise DiskFull(self.name, shown, raw.exit_code, stderr, where, self.spec.workdir)
         raise CommandFailed(self.name, shown, raw.exit_code, stderr, self._hint(argv, raw.exit_code))
 
     def _hint(self, argv: Sequence[str], exit_code: int) -> str:
@@ -318,6 +326,7 @@ class SshTarget(Target):
         ssh = self.ssh
         connect_kwargs: dict[str, object] = {"banner_timeout": CONNECT_TIMEOUT_S}
         if ssh.identity_file:
+            self._check_identity_file(ssh.identity_file)
             connect_kwargs.update(key_filename=[ssh.identity_file], look_for_keys=False, allow_agent=False)
         conn = Connection(
             host=ssh.hostname,
@@ -327,11 +336,13 @@ class SshTarget(Target):
             connect_timeout=CONNECT_TIMEOUT_S,
             connect_kwargs=connect_kwargs,
         )
-        self._load_host_keys(conn.client)
+        trust = self._load_host_keys(conn.client)
         try:
             conn.open()
-        except paramiko.BadHostKeyException:
-            raise TargetError(self._bad_key_message()) from None
+        except _HostKeyRefused as err:
+            raise TargetError(str(err)) from None
+        except paramiko.BadHostKeyException as err:
+            raise TargetError(self._bad_key_message(trust, err.key)) from None
         except paramiko.AuthenticationException as err:
             raise TargetError(
                 f"{self.name}: authentication failed for {ssh.display} ({err}); check "
@@ -345,8 +356,6 @@ class SshTarget(Target):
                 f"and targets.{self.name}.host"
             ) from None
         except paramiko.SSHException as err:
-            if "not found in known_hosts" in str(err):
-                raise TargetError(self._unknown_key_message()) from None
             raise TargetError(f"{self.name}: SSH to {ssh.display} failed: {err}") from None
         transport = conn.client.get_transport()
         if transport is not None:
@@ -354,45 +363,87 @@ class SshTarget(Target):
         self._conn = conn
         return conn
 
-    def _load_host_keys(self, client: paramiko.SSHClient) -> None:
-        path = self.ssh.known_hosts
-        if self.ssh.host_key_policy == "accept-new":
+    def _check_identity_file(self, path: str) -> None:
+        """A missing or unreadable key file is the inventory's fault, not the network's: say so."""
+        key = f"targets.{self.name}.identity_file"
+        if not os.path.exists(path):
+            raise ConfigError(f"{self.name}: {key} = {path}: no such file; point it at your private key")
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ConfigError(f"{self.name}: {key} = {path}: not a readable file; fix the path or its mode")
+
+    def _load_host_keys(self, client: paramiko.SSHClient) -> known_hosts.Lookup:
+        """Trust exactly what the inventory's known_hosts file trusts for this host (read as ssh
+        reads it: fleet.known_hosts); a host it does not know is refused, or with accept-new
+        added to the file as one line, as ssh does."""
+        ssh = self.ssh
+        path = ssh.known_hosts
+        if ssh.host_key_policy == "accept-new" and not os.path.exists(path):
             os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-            if not os.path.exists(path):
-                with open(path, "a"):
-                    os.chmod(path, 0o600)
-            client.load_host_keys(path)  # new keys are saved back to this file
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-            return
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        if os.path.exists(path):
-            try:
-                client.get_host_keys().load(path)
-            except (OSError, paramiko.SSHException) as err:
-                raise TargetError(
-                    f"{self.name}: cannot read known_hosts {path}: {err}; fix targets.{self.name}.known_hosts"
-                ) from None
+            with open(path, "a"):
+                os.chmod(path, 0o600)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            text = ""
+        except OSError as err:
+            raise TargetError(
+                f"{self.name}: cannot read known_hosts {path}: {err.strerror}; "
+                f"fix targets.{self.name}.known_hosts"
+            ) from None
+        trust = known_hosts.lookup(known_hosts.parse(text), known_hosts.host_string(ssh.hostname, ssh.port))
+        name = ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"  # paramiko's lookup key
+        for _lineno, key in trust.keys:
+            client.get_host_keys().add(name, key.get_name(), key)
+        client.set_missing_host_key_policy(_HostKeyPolicy(self, trust))
+        return trust
 
     def _host_pattern(self) -> str:
         ssh = self.ssh
         return ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"
 
-    def _bad_key_message(self) -> str:
-        kh = self.ssh.known_hosts
+    def _revoked_message(self, trust: known_hosts.Lookup, key: paramiko.PKey) -> str | None:
+        line = trust.revoked_line(key)
+        if line is None:
+            return None
         return (
-            f"{self.name}: the host key of {self.ssh.display} does not match {kh} (possible attack, or "
-            f"a reinstalled host); if expected, remove the old key: "
+            f"{self.name}: the host key of {self.ssh.display} is revoked by {self.ssh.known_hosts} line "
+            f"{line} (@revoked); refusing to connect: ask the host's admin for its new key"
+        )
+
+    def _bad_key_message(self, trust: known_hosts.Lookup, key: paramiko.PKey | None = None) -> str:
+        revoked = self._revoked_message(trust, key) if key is not None else None
+        if revoked:
+            return revoked
+        kh = self.ssh.known_hosts
+        lines = ", ".join(str(n) for n, _ in trust.keys)
+        where = f" (line {lines})" if lines else ""
+        return (
+            f"{self.name}: the host key of {self.ssh.display} does not match {kh}{where} (possible "
+            f"attack, or a reinstalled host); if expected, remove the old key: "
             f"ssh-keygen -R '{self._host_pattern()}' -f {kh}"
         )
 
-    def _unknown_key_message(self) -> str:
+    def _unknown_key_message(self, trust: known_hosts.Lookup) -> str:
         ssh = self.ssh
-        missing = "" if os.path.exists(ssh.known_hosts) else " (the file does not exist)"
+        kh = ssh.known_hosts
+        add = f"ssh-keyscan -p {ssh.port} {ssh.hostname} >> {kh}"
+        if trust.cert_authorities:
+            return (
+                f"{self.name}: {kh} line {trust.cert_authorities[0]} vouches for {ssh.display} with "
+                "@cert-authority (host certificates), which fleet's SSH client (paramiko) cannot check; "
+                f"verify the host's own key and add it ({add})"
+            )
+        if trust.unsupported:
+            lineno, why = trust.unsupported[0]
+            return (
+                f"{self.name}: {kh} line {lineno} is for {ssh.display} but fleet cannot use it ({why}); "
+                f"verify the host's key and add a supported one ({add})"
+            )
+        missing = "" if os.path.exists(kh) else " (the file does not exist)"
         return (
-            f"{self.name}: the host key of {ssh.display} is not in {ssh.known_hosts}{missing}; "
-            "verify it and add it "
-            f"(ssh-keyscan -p {ssh.port} {ssh.hostname} >> {ssh.known_hosts}) or set "
-            f'targets.{self.name}.host_key_policy = "accept-new"'
+            f"{self.name}: the host key of {ssh.display} is not in {kh}{missing}; verify it and add it "
+            f'({add}) or set targets.{self.name}.host_key_policy = "accept-new"'
         )
 
     def _lost(self, doing: str) -> TargetError:
@@ -452,6 +503,35 @@ class SshTarget(Target):
             out.join(_drain_s())
             err.join(_drain_s())
             return _Raw(chan.exit_status, out.text(), err.text())
+
+
+class _HostKeyRefused(paramiko.SSHException):
+    """A host key refused by the known_hosts rules; its message is the user's one line."""
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Called by paramiko when the server's key is not among the trusted keys of the host."""
+
+    def __init__(self, target: SshTarget, trust: known_hosts.Lookup) -> None:
+        self.target = target
+        self.trust = trust
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        revoked = self.target._revoked_message(self.trust, key)
+        if revoked:
+            raise _HostKeyRefused(revoked)
+        ssh = self.target.ssh
+        if ssh.host_key_policy != "accept-new":
+            raise _HostKeyRefused(self.target._unknown_key_message(self.trust))
+        # accept-new, as ssh does it: a host with no key on file gets its key appended.
+        try:
+            with open(ssh.known_hosts, "a", encoding="utf-8") as fh:
+                fh.write(known_hosts.new_line(self.trust.host, key))
+        except OSError as err:
+            raise _HostKeyRefused(
+                f"{self.target.name}: cannot add the host key of {ssh.display} to {ssh.known_hosts}: "
+                f"{err.strerror}; fix targets.{self.target.name}.known_hosts"
+            ) from None
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -544,6 +624,14 @@ def _feed_pipe(pipe: IO[bytes], stdin: Stdin) -> None:
             pipe.close()
 
 
+def _display(argv: Sequence[str]) -> list[str]:
+    """``sh -c <script> fleet-<name> ARGS`` (a shipped script) shown as ``fleet-<name> ARGS``."""
+    cmd = [str(a) for a in argv]
+    if len(cmd) >= 4 and cmd[:2] == ["sh", "-c"] and cmd[3].startswith("fleet-"):
+        return cmd[3:]
+    return cmd
+
+
 def _drain_s() -> float:
     return DRAIN_S  # looked up at call time, so tests can shorten it
 
@@ -554,7 +642,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _scrub(text: str, env: Mapping[str, str] | None) -> str:
+def scrub(text: str, env: Mapping[str, str] | None) -> str:
     """``text`` with every environment value of the command replaced by ``***``."""
     for value in sorted((env or {}).values(), key=len, reverse=True):
         if len(value) >= 3:
@@ -562,4 +650,4 @@ def _scrub(text: str, env: Mapping[str, str] | None) -> str:
     return text
 
 
-__all__ = ["CommandResult", "LocalTarget", "SshTarget", "Target", "open_target"]
+__all__ = ["CommandResult", "LocalTarget", "SshTarget", "Target", "open_target", "scrub"]

@@ -183,3 +183,19 @@ def test_fab_deploy_puts_a_release_in_place(two_local: Path) -> None:
     current = two_local.parent / "state" / "a" / "current"
     assert current.is_symlink() and (current / "training" / "__init__.py").is_file()
     assert result.stdout.startswith("a: release ") and os.readlink(current).endswith(result.stdout.split()[2])
+
+
+def test_a_closed_stdout_ends_a_task_quietly(tmp_path: Path) -> None:
+    """`fab status --json | head -c0`: no BrokenPipeError traceback, exit 141 (128 + SIGPIPE)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(TWO_LOCAL)
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TARGET", "FLEET_CONFIG")}
+    env["FLEET_CONFIG"] = str(config)
+    proc = subprocess.Popen(
+        [str(FAB), "status", "--json"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before fab writes
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert stderr == "", stderr

@@ -2,6 +2,7 @@
 
     python -m training.selftest train --config NAME --run-dir DIR
         [--selftest.steps=N] [--selftest.step_seconds=S] [--selftest.fail_at=K]
+        [--selftest.checkpoint_every=N] [--selftest.checkpoint_bytes=B]
     (also accepted: --steps N, --step-seconds S, --fail-at K; the `train` word is optional)
 
 It prints the human start-up lines (the bucket table in the trainer's format), writes
@@ -43,6 +44,7 @@ class Settings:
     step_seconds: float = 0.5
     fail_at: int = 0  # 0 = never
     checkpoint_every: int = 10
+    checkpoint_bytes: int = 0  # padding, to give a checkpoint a real one's size (a disk can fill)
 
 
 class _Stop:
@@ -78,8 +80,11 @@ def parse_args(argv: list[str]) -> Settings:
         if section != "selftest":
             print(f"selftest: ignoring override {item} (only selftest.* applies here)", flush=True)
             continue
-        if field not in ("steps", "step_seconds", "fail_at", "checkpoint_every"):
-            _usage(f"unknown override --{key}; use selftest.steps, step_seconds, fail_at, checkpoint_every")
+        if field not in ("steps", "step_seconds", "fail_at", "checkpoint_every", "checkpoint_bytes"):
+            _usage(
+                f"unknown override --{key}; use selftest.steps, step_seconds, fail_at, checkpoint_every, "
+                "checkpoint_bytes"
+            )
         try:
             values[field] = float(raw) if field == "step_seconds" else int(raw)
         except ValueError:
@@ -87,6 +92,8 @@ def parse_args(argv: list[str]) -> Settings:
     settings = Settings(config=known.config, run_dir=Path(known.run_dir).absolute(), **values)  # type: ignore[arg-type]
     if settings.steps < 1 or settings.step_seconds < 0 or settings.checkpoint_every < 1:
         _usage("selftest.steps and checkpoint_every must be >= 1, step_seconds >= 0")
+    if settings.checkpoint_bytes < 0:
+        _usage("selftest.checkpoint_bytes must be >= 0")
     return settings
 
 
@@ -115,7 +122,15 @@ def checkpoint(events: EventWriter, settings: Settings, step: int) -> None:
     path = settings.run_dir / "checkpoints" / f"step-{step:06d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "config": settings.config}) + "\n", encoding="utf-8")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, "config": settings.config}) + "\n")
+            for _ in range(settings.checkpoint_bytes // 65536):
+                fh.write(" " * 65536)
+            fh.write(" " * (settings.checkpoint_bytes % 65536))
+    except OSError:
+        tmp.unlink(missing_ok=True)  # as the trainer does: a checkpoint that did not fit is removed
+        raise
     tmp.replace(path)
     seconds = time.monotonic() - start
     events.emit("checkpoint", step=step, path=str(path), seconds=seconds)

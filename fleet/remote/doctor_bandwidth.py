@@ -1,17 +1,18 @@
 """`fab doctor --bandwidth`: how fast one target rank can hand hidden states to one drafter rank.
 
-Runs in the target's env (``python -I - ARGS``, this file on stdin: nothing is deployed, nothing
-written). Two processes, forked before either touches CUDA, set up the way the trainer's ranks
-are: each sees only its own GPU (``CUDA_VISIBLE_DEVICES``) as ``cuda:0`` and joins a 2-rank
-``torch.distributed`` group (NCCL on GPUs, gloo between two CPU processes). Rank 0 sends a
-tensor of ``--bytes`` (one batch of hidden states: token budget x target layers x hidden x dtype)
-to rank 1, ``--warmup`` times untimed then ``--iterations`` times timed; each timed transfer
-starts together on both ranks (a one-element all_reduce) and ends when rank 1's stream is done.
+Runs in the target's env (``python -I -c <this file> ARGS``, the run's environment on stdin:
+nothing is deployed, nothing written). Two processes, forked before either touches CUDA, set up
+the way the trainer's ranks are: each sees only its own GPU (``CUDA_VISIBLE_DEVICES``) as
+``cuda:0`` and joins a 2-rank ``torch.distributed`` group (NCCL on GPUs, gloo between two CPU
+processes). Rank 0 sends a tensor of ``--bytes`` (one batch of hidden states: token budget x
+target layers x hidden x dtype) to rank 1, ``--warmup`` times untimed then ``--iterations``
+times timed; each timed transfer starts together on both ranks (a one-element all_reduce) and
+ends when rank 1's stream is done.
 Prints one JSON line: backend, devices, bytes, iterations, seconds, gb_per_s (bytes / median
 seconds), torch and NCCL versions; or ``{"error": ...}`` and exit 1.
 
-    python -I - --bytes 671088640 --gpus 0,1      # NCCL: GPU 0 (a target) -> GPU 1 (a drafter)
-    python -I - --bytes 1572864 --cpu              # gloo between two CPU processes
+    python -I -c "$(cat doctor_bandwidth.py)" --bytes 671088640 --gpus 0,1   # NCCL: GPU 0 -> GPU 1
+    python -I -c "$(cat doctor_bandwidth.py)" --bytes 1572864 --cpu          # gloo, two CPU processes
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.gpus and len(args.gpus.split(",")) != 2:
         parser.error("--gpus takes two GPU indices: T,D")
-    ctx = mp.get_context("fork")  # this file arrives on stdin: there is no module to re-import
+    ctx = mp.get_context("fork")  # this file arrives as `-c`: there is no module to re-import
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(rank, args, port, results)) for rank in (0, 1)]

@@ -2,7 +2,12 @@
 # fleet run launch (sent as `sh -c <this> fleet-run-launch WORKDIR TMUX SESSION RUN_ID RELEASE_ID RUN_JSON ARGV...`).
 # stdin carries the run's environment file (`export K='v'` lines): secrets never travel in argv.
 # Exit 75: a run is live in SESSION (the caller re-checks and names it); 73: RUN_ID exists;
-# 66: the release has no remote/run.sh.
+# 66: the release has no remote/run.sh; 70: the run's wrapper (run.sh) did not start.
+#
+# A launch is done when run.sh has taken its environment (it deletes run.env once sourced).
+# Only then does runs/latest move to the new run. Any failure before that removes the new run
+# dir (run.env with it: no secret is left at rest) and the half-made tmux session, so runs/latest
+# still names the previous run and nothing looks like a run that never started.
 set -eu
 workdir=$1
 tmux=$2
@@ -27,13 +32,42 @@ if [ -e "$run_dir" ] || [ -L "$run_dir" ]; then
     exit 73
 fi
 mkdir -- "$run_dir"
+started=""
+undo() {
+    [ -n "$started" ] && return 0
+    # Our session only: its pane runs (or was to run) this run's wrapper.
+    if "$tmux" list-panes -s -t "=$session" -F '#{pane_start_command}' 2>/dev/null | grep -qF -- "$run_dir"; then
+        "$tmux" kill-session -t "=$session" 2>/dev/null || true
+    fi
+    rm -rf -- "$run_dir"
+}
+trap undo EXIT
 (umask 077 && cat > "$run_dir/run.env")
 printf '%s\n' "$run_json" > "$run_dir/run.json"
-ln -s -- "$run_id" "$workdir/runs/.latest.tmp-$run_id"
-mv -T -- "$workdir/runs/.latest.tmp-$run_id" "$workdir/runs/latest"
 # The pane starts as a placeholder so remain-on-exit is set before the run's command exists;
 # respawn-pane then replaces it: a run that dies at once still leaves its exit status readable.
-"$tmux" new-session -d -s "$session" -c "$rel_dir" sleep 3600 \; \
+"$tmux" new-session -d -s "$session" -c "$rel_dir" sh -c 'sleep 3600' "$run_dir" \; \
     set-option -w -t "=$session:" remain-on-exit on \; \
     respawn-pane -k -t "=$session:" -c "$rel_dir" bash "$rel_dir/remote/run.sh" "$run_dir" "$rel_dir" "$@"
+# Wait (bounded) until run.sh has read run.env; a wrapper that cannot start leaves a dead pane.
+tries=0
+while [ -e "$run_dir/run.env" ]; do
+    pane=$("$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_dead_status}' 2>/dev/null | head -n 1)
+    case "$pane" in
+        "0 "*) ;;
+        *)
+            echo "the run's wrapper (bash $rel_dir/remote/run.sh) exited at once (pane: ${pane:-gone})" >&2
+            exit 70
+            ;;
+    esac
+    if [ "$tries" -ge 600 ]; then
+        echo "the run's wrapper did not read its environment within 30 s" >&2
+        exit 70
+    fi
+    sleep 0.05
+    tries=$((tries + 1))
+done
+ln -s -- "$run_id" "$workdir/runs/.latest.tmp-$run_id"
+mv -T -- "$workdir/runs/.latest.tmp-$run_id" "$workdir/runs/latest"
+started=1
 printf '%s\n' "$run_dir"

@@ -42,6 +42,8 @@ group_alive() {
     done
     return 1
 }
+# Recorded first, so `fab status` can tell a `fab stop --force` (exit 137) from an OOM kill.
+printf '%s\n' "$sig" > "$workdir/runs/latest/stop_signal" 2>/dev/null || true
 kill -s "$sig" -- "-$pgid" 2>/dev/null || true
 ticks=0
 limit=$((timeout_s * 5))

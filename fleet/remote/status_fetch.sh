@@ -2,8 +2,9 @@
 # Everything `fab status` needs about the latest run, in one command (fleet.status.fetch), sent as
 #   sh -c <this> fleet-status-fetch WORKDIR TMUX SESSION EVENT_BYTES BOUNDARY NVIDIA_SMI FIELDS [LOG_BYTES]
 # Prints sections `<BOUNDARY> <name>` (BOUNDARY is random per call): the target's clock, the latest
-# run id, its tmux pane, run.json, exit_code, size+mtime and the last bytes (`tail -c`) of
-# events.jsonl and train.log, and the `nvidia-smi --query-gpu` table when NVIDIA_SMI is not empty.
+# run id, its tmux pane, run.json, the pid, exit_code and stop_signal files of run.sh / `fab stop`,
+# size+mtime and the last bytes (`tail -c`) of events.jsonl and train.log, and the
+# `nvidia-smi --query-gpu` table when NVIDIA_SMI is not empty.
 # A log of many GB is never read whole. The `end` section tells the caller the answer is complete.
 wd=$1
 tmux=$2
@@ -23,11 +24,13 @@ printf '%s' "$run"
 d="$wd/runs/$run"
 if [ -n "$run" ] && [ -d "$d" ]; then
     sec pane
-    "$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_dead_status} #{pane_dead_signal}' 2>/dev/null
+    "$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_dead_status} #{pane_dead_signal} #{pane_pid}' 2>/dev/null
     sec run_json
     cat -- "$d/run.json" 2>/dev/null
-    sec exit_code
-    cat -- "$d/exit_code" 2>/dev/null
+    for f in pid exit_code stop_signal; do
+        sec "$f"
+        cat -- "$d/$f" 2>/dev/null
+    done
     for f in events.jsonl train.log; do
         sec "stat $f"
         stat -c '%s %Y' -- "$d/$f" 2>/dev/null

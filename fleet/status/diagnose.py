@@ -4,7 +4,10 @@
 ``events.jsonl``) for the failures seen on multi-GPU DFlash runs: the FX-tracing
 RuntimeError from compiling in threads, Dynamo's recompile limit (silent dense fallback),
 flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and dead ranks, an NVML
-driver/library mismatch, import errors (environment drift), and any other Python traceback.
+driver/library mismatch, import errors (environment drift), a full disk, a torchrun rendezvous
+that did not come up, a C++ abort
+(``terminate called after throwing ...``) or native crash, and any other Python traceback;
+``killed_diagnosis`` names the likely causes of a SIGKILL (exit 137).
 Each signature is reported once, at its first occurrence, in the order found in the log (the
 first failure is usually the root cause). The generic "Python traceback" diagnosis is only
 given when no specific signature matched.
@@ -183,6 +186,54 @@ def _import(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
     )
 
 
+_QUOTED_PATH = re.compile(r"""['"](/[^'"]+)['"]""")
+
+
+def _disk_full(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    path = _QUOTED_PATH.search(lines[i])
+    where = f" while writing {path.group(1)}" if path else ""
+    return Diagnosis(
+        "disk-full",
+        f"the disk is full (No space left on device){where}",
+        "free space on the target (`df -h` there): old runs' checkpoints (runs/*/checkpoints), unused "
+        "envs (`fab env-rebuild --gc`), the compile cache; keep fewer checkpoints (checkpoint.keep); "
+        "then `fab train` resumes from the last complete checkpoint",
+        _short(lines[i]),
+    )
+
+
+def _cpp_abort(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    what = next((line.strip() for line in lines[i + 1 : i + 4] if line.strip().startswith("what():")), "")
+    detail = f": {what[len('what():') :].strip()}" if what else ""
+    return Diagnosis(
+        "cpp-abort",
+        f"the process aborted on an uncaught C++ exception ({m.group(1)}){detail}",
+        "a CUDA error here is usually a device fault or a bad kernel: rerun with CUDA_LAUNCH_BLOCKING=1 "
+        "to see the failing op, and check `fab gpus` (ECC, Xid) and `fab env-check`",
+        _short(what or lines[i]),
+    )
+
+
+def _native_crash(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    return Diagnosis(
+        "native-crash",
+        f"the process crashed in native code ({m.group(1)})",
+        "the Python stack printed after 'Fatal Python error' shows where; a crash in torch/CUDA "
+        "libraries often means mismatched builds: `fab env-check`",
+        _short(lines[i]),
+    )
+
+
+def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    """training.topology's one line for a torchrun rendezvous that did not come up."""
+    return Diagnosis(
+        "rendezvous",
+        f"torchrun's ranks did not meet: {m.group(1)}",
+        m.group(2).strip(),
+        _short(lines[i]),
+    )
+
+
 _SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
     (re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized"), _fx_trace),
     (
@@ -195,12 +246,85 @@ _SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
     (re.compile(r"errors\.ChildFailedError"), _rank_died),
     (re.compile(r"Driver/library version mismatch|NVML_ERROR_LIB_RM_VERSION_MISMATCH"), _nvml),
     (re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import),
+    (re.compile(r"No space left on device|\[Errno 28\]"), _disk_full),
+    (
+        re.compile(r"^torchrun: ((?:the rendezvous|cannot reach the rendezvous)\b.*?\)): (.+)$"),
+        _rendezvous,
+    ),
 )
+# How a process died when nothing more specific says why (a NCCL watchdog timeout, for one,
+# ends in a C++ abort too): used only when no signature above matched, before the bare traceback.
+_FALLBACKS: tuple[tuple[re.Pattern[str], Matcher], ...] = (
+    (re.compile(r"terminate called after throwing an instance of '([^']+)'"), _cpp_abort),
+    (
+        re.compile(r"Fatal Python error: (Segmentation fault|Bus error|Aborted|Floating point exception)"),
+        _native_crash,
+    ),
+)
+
+# Signatures that mean the process died (not a warning it survived): a log that shows one has
+# failed, even when nothing says whether its process still runs (`fab status --log`).
+FATAL_SIGNATURES = frozenset(
+    {
+        "fx-trace-threads",
+        "cuda-oom",
+        "nccl-timeout",
+        "rank-died",
+        "import-error",
+        "disk-full",
+        "rendezvous",
+        "cpp-abort",
+        "native-crash",
+        "python-traceback",
+    }
+)
+SIGKILL_EXIT = 137  # 128 + 9: what a shell reports for a process killed by SIGKILL
+
+
+def killed_diagnosis(
+    exit_code: int | None, stop_signal: str, kernel_readable: bool | None, kernel_oom: Sequence[str]
+) -> Diagnosis | None:
+    """A run that ended by SIGKILL (exit 137): who killed it, as far as the target can tell."""
+    if exit_code != SIGKILL_EXIT:
+        return None
+    if stop_signal == "KILL":
+        return Diagnosis(
+            "sigkill",
+            "killed by `fab stop --force` (SIGKILL, exit 137): no checkpoint was written at the end",
+            "`fab train` resumes from the last checkpoint; plain `fab stop` checkpoints before it exits",
+            "fab stop --force",
+        )
+    if kernel_oom:
+        return Diagnosis(
+            "oom-killer",
+            "the kernel's OOM killer killed the run (exit 137): the host or the container ran out of RAM",
+            "lower host memory use (data loader workers, pinned buffers, other containers) or raise the "
+            "container's memory limit (`pct set <id> --memory <MiB>`)",
+            _short(kernel_oom[-1]),
+        )
+    if kernel_readable:
+        check = "the kernel log shows no OOM kill during the run, so most likely one of the others"
+    else:
+        check = (
+            "the kernel log was not readable from here: on the host run "
+            "`dmesg -T | grep -i -e oom -e 'killed process'`"
+        )
+    return Diagnosis(
+        "sigkill",
+        "the run was killed by SIGKILL (exit 137); the likely causes: the kernel's OOM killer (RAM), "
+        "`fab stop --force` or a `kill -9`, or its container being stopped",
+        f"{check}; then `fab train` resumes from the last checkpoint",
+        f"exit code {SIGKILL_EXIT} (128 + SIGKILL)",
+    )
+
 
 _TRACEBACK = "Traceback (most recent call last):"
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+# The exception line closing a traceback: a name ending like an exception class, or any
+# module-qualified name (torch._dynamo.exc.Unsupported, ...).
 _EXC_LINE = re.compile(
-    r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\w*|[A-Za-z_][\w.]*Error)(?::|$)"
+    r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|Failed)\w*"
+    r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?::|$)"
 )
 
 
@@ -260,6 +384,19 @@ def find_traceback(text: str, lines: Sequence[str] | None = None) -> Traceback |
     return _traceback_in_rank_streams(text) or last_traceback(clean_lines(text) if lines is None else lines)
 
 
+def _scan(lines: list[str], signatures: Sequence[tuple[re.Pattern[str], Matcher]]) -> list[Diagnosis]:
+    """Each signature at its first line, in the order they appear."""
+    found: list[tuple[int, Diagnosis]] = []
+    for pattern, matcher in signatures:
+        for i, line in enumerate(lines):
+            match = pattern.search(line)
+            if match:
+                found.append((i, matcher(lines, i, match)))
+                break
+    found.sort(key=lambda pair: pair[0])
+    return [d for _, d in found]
+
+
 def diagnose(log_text: str, events: Iterable[Mapping[str, Any]] = ()) -> list[Diagnosis]:
     """Every known failure signature in the log tail and the ``error`` events, first seen first."""
     lines = clean_lines(log_text)
@@ -270,15 +407,7 @@ def diagnose(log_text: str, events: Iterable[Mapping[str, Any]] = ()) -> list[Di
             if isinstance(tail, str) and tail:
                 lines.extend(clean_lines(tail))
             lines.append(f"{event.get('type', 'Error')}: {event.get('message', '')}")
-    found: list[tuple[int, Diagnosis]] = []
-    for pattern, matcher in _SIGNATURES:
-        for i, line in enumerate(lines):
-            match = pattern.search(line)
-            if match:
-                found.append((i, matcher(lines, i, match)))
-                break
-    found.sort(key=lambda pair: pair[0])
-    result = [d for _, d in found]
+    result = _scan(lines, _SIGNATURES) or _scan(lines, _FALLBACKS)
     if not result:
         tb = find_traceback(log_text, lines)
         if tb:

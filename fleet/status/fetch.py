@@ -11,7 +11,9 @@ GB is never downloaded.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -80,6 +82,11 @@ def parse_fetch(
     exit_code = _int(s.get("exit_code", ""))
     if run_id:
         pane = s.get("pane", "").split()
+        # The session's pane is this run's only when its pid is the one run.sh recorded: a pane
+        # left by another run must not lend this one its liveness or exit status.
+        pid, pane_pid = _int(s.get("pid", "")), _int(pane[3]) if len(pane) > 3 else None
+        if pid is None or (pane_pid is not None and pane_pid != pid):
+            pane = []
         alive = bool(pane) and pane[0] == "0"
         if exit_code is None and pane and pane[0] == "1":
             status, signal = (
@@ -100,6 +107,8 @@ def parse_fetch(
         log_mtime=_float(log_stat[1]) if len(log_stat) > 1 else None,
         events_mtime=_float(ev_stat[1]) if len(ev_stat) > 1 else None,
         log_size=_int(log_stat[0]) if log_stat else None,
+        started_at=_iso_seconds(run_json.get("started_at")),
+        stop_signal=s.get("stop_signal", "").strip(),
     )
     ev_size = _int(ev_stat[0]) if ev_stat else None
     gpus = gpu_rows_from_csv(s["gpus"], gpu_targets) if s.get("gpus", "").strip() else ()
@@ -130,6 +139,15 @@ def _float(text: str) -> float | None:
         return None
 
 
+def _iso_seconds(value: Any) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return dt.datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
+
+
 def _json_object(text: str) -> Mapping[str, Any]:
     try:
         obj = json.loads(text)
@@ -152,11 +170,13 @@ def fetch(
 
 
 def fetch_status(target: Target) -> RunStatus:
-    """The RunStatus of a target's latest run; RunError when it has none."""
+    """The RunStatus of a target's latest run; state ``never`` when it has none."""
     got = fetch(target)
     if not got.facts.run_id:
-        raise RunError(f"{target.name}: no run under {target.spec.workdir}/runs: start one with `fab train`")
+        return never_status(target.name, target.spec.workdir)
     facts = got.facts if got.facts.env else replace(got.facts, env=target.spec.env)
+    if facts.alive is False and facts.exit_code == SIGKILL_EXIT and facts.stop_signal != "KILL":
+        facts = kernel_facts(target, facts)
     return build_status(
         target.name,
         facts,
@@ -166,6 +186,46 @@ def fetch_status(target: Target) -> RunStatus:
         events_truncated=got.events_truncated,
         gpus=got.gpus,
     )
+
+
+SIGKILL_EXIT = 137  # 128 + SIGKILL: the shell's exit status of a process killed by kill -9
+_DMESG_SECONDS = re.compile(r"^\[\s*(\d+(?:\.\d+)?)\]\s*(.*)$")
+
+
+def parse_kernel_log(text: str, since: float | None, until: float | None) -> tuple[bool, tuple[str, ...]]:
+    """``kernel_log.sh`` output -> (readable, the OOM-killer lines from ``since`` to ``until`` + 60 s),
+    dmesg's seconds since boot placed on the target's clock by its uptime (pure)."""
+    lines = text.splitlines()
+    if not lines or any(line.strip() == "unreadable" for line in lines[1:2]):
+        return False, ()
+    clock = lines[0].split()
+    now, uptime = (_float(clock[0]), _float(clock[1])) if len(clock) == 2 else (None, None)
+    found = []
+    for line in lines[1:]:
+        m = _DMESG_SECONDS.match(line.strip())
+        if not m:
+            continue
+        if now is not None and uptime is not None:
+            at = now - uptime + float(m.group(1))
+            if (since is not None and at < since - 5) or (until is not None and at > until + 60):
+                continue
+        found.append(m.group(2))
+    return True, tuple(found)
+
+
+def kernel_facts(target: Target, facts: RunFacts) -> RunFacts:
+    """A run killed by SIGKILL: did the kernel's OOM killer do it? (one more command, on the host)"""
+    result = target.run(remote.sh("kernel_log.sh"), where="host", check=False, timeout=30)
+    until = facts.log_mtime or facts.now
+    readable, lines = parse_kernel_log(result.stdout, facts.started_at, until)
+    return replace(facts, kernel_log_readable=readable, kernel_oom=lines)
+
+
+def never_status(name: str, workdir: str) -> RunStatus:
+    """The status of a target with no run yet (state ``never``, exit 0)."""
+    st = build_status(name, RunFacts(), "", "")
+    note = f"no run under {workdir}/runs yet: `fab train` starts one"
+    return replace(st, state="never", notes=(note,))
 
 
 def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool, RunFacts]:
@@ -192,7 +252,11 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
         run_id = path.name
     else:
         run_id = path.parent.name if path.name in (EVENTS_FILE, "train.log") else path.name
-    facts = RunFacts(run_id=run_id, exit_code=exit_code, alive=False if exit_code is not None else None)
+    stop_signal = ""
+    if path.is_dir() and (path / "stop_signal").is_file():
+        stop_signal = (path / "stop_signal").read_text(errors="replace").strip()
+    alive = False if exit_code is not None else None
+    facts = RunFacts(run_id=run_id, exit_code=exit_code, alive=alive, stop_signal=stop_signal)
     return events_text, log_text, truncated, facts
 
 

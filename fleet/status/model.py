@@ -9,6 +9,7 @@ States and transitions. The phase of the run comes from its ``phase`` events (a
 ``step`` event implies ``train``); across ranks an ``error`` on any rank wins, and
 ``done``/``stopped`` count only once every rank that started has reached one::
 
+    (no run at all)                                  -> never
     (no event yet)                                   -> starting
     load_data | buckets | load_target | load_drafter -> loading
     compile                                          -> compiling
@@ -25,9 +26,14 @@ then liveness decides:
     process gone, exit != 0     -> failed (the exit status is shown; kill -9 -> 137)
     process gone, no exit file  -> finished/stopped if the phase says so, else failed
     alive, non-final state, no new event and no log growth for stall_window_s -> stalled
-    liveness unknown (--log)    -> the phase state as is
+    liveness unknown (--log)    -> the phase state as is, unless the log shows a fatal error
+                                   (a traceback, a C++ abort, a crash): failed
 
-Exit codes of ``fab status`` (distinct from fleet.errors' 1-7): starting, loading,
+A process that ended by SIGKILL (exit 137) is diagnosed with its likely causes: ``fab stop
+--force`` (its stop_signal file), the kernel's OOM killer (its lines in the kernel log, when
+readable), or a container stopped under it.
+
+Exit codes of ``fab status`` (distinct from fleet.errors' 1-7): never, starting, loading,
 compiling, training, evaluating, checkpointing and finished -> 0; stopped -> 10;
 stalled -> 11; failed -> 12.
 """
@@ -41,10 +47,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fleet.inventory import STALL_WINDOW_S
-from fleet.status.diagnose import Diagnosis, clean_lines, diagnose, find_traceback
+from fleet.status.diagnose import (
+    FATAL_SIGNATURES,
+    Diagnosis,
+    clean_lines,
+    diagnose,
+    find_traceback,
+    killed_diagnosis,
+)
 from training.contract import BucketTable, find_bucket_table, parse_events
 
 STATE_EXIT_CODES: dict[str, int] = {
+    "never": 0,
     "starting": 0,
     "loading": 0,
     "compiling": 0,
@@ -146,6 +160,10 @@ class RunFacts:
     log_mtime: float | None = None
     events_mtime: float | None = None
     log_size: int | None = None
+    started_at: float | None = None  # run.json's started_at
+    stop_signal: str = ""  # what `fab stop` sent (TERM / KILL), "" when it never did
+    kernel_log_readable: bool | None = None  # None: not read (only a SIGKILLed run's is)
+    kernel_oom: tuple[str, ...] = ()  # the kernel's OOM-killer lines from the run's lifetime
 
 
 @dataclass(frozen=True)
@@ -197,7 +215,7 @@ class RunStatus:
 
     @property
     def final(self) -> bool:
-        return self.state in ("finished", "stopped", "failed")
+        return self.state in ("never", "finished", "stopped", "failed")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (NaN/inf -> null): state, phase, step, loss, tokens_per_s, diagnosis, ..."""
@@ -392,10 +410,17 @@ def build_status(
             kind, _, message = tb.exception.partition(": ")
             error = ErrorInfo(kind, message)
 
+    diagnosis = diagnose(log_text, events)
+    if facts.alive is False:
+        killed = killed_diagnosis(
+            facts.exit_code, facts.stop_signal, facts.kernel_log_readable, facts.kernel_oom
+        )
+        diagnosis = [*diagnosis, killed] if killed else diagnosis  # the kill came last
     phase, phase_since = run_phase(events)
     if not phase and (load or buckets):  # only the human log says so (events missing or rotated)
         phase = "load_target" if load else "buckets"
-    if facts.alive is None and error is not None and phase not in FINAL_PHASES:
+    fatal = error is not None or any(d.signature in FATAL_SIGNATURES for d in diagnosis)
+    if facts.alive is None and fatal and phase not in FINAL_PHASES:
         phase, phase_since = "error", None  # an offline log that ends in a crash
     times = [t for t in (events[-1]["ts"] if events else None, facts.log_mtime, facts.events_mtime) if t]
     last_activity = max(times) if times else None
@@ -447,7 +472,7 @@ def build_status(
         compile_cache=cache,
         last_checkpoint=checkpoint,
         last_error=error,
-        diagnosis=tuple(diagnose(log_text, events)),
+        diagnosis=tuple(diagnosis),
         last_activity_age_s=(facts.now - last_activity) if facts.now and last_activity else None,
         notes=tuple(notes),
         targets=tuple(targets[r] for r in sorted(targets)),

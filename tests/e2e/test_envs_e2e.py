@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -54,24 +52,6 @@ def error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-@pytest.fixture
-def ct_trusts_host_cas(hosts: TestHost) -> None:
-    """The container trusts the CAs this machine added (a TLS-inspecting egress proxy to PyPI)."""
-    extra = sorted(Path("/usr/local/share/ca-certificates").glob("*.crt"))
-    if not extra:
-        return
-    dest = hosts.ct_path("/usr/local/share/ca-certificates")
-    dest.mkdir(parents=True, exist_ok=True)
-    changed = False
-    for cert in extra:
-        if not (dest / cert.name).exists() or (dest / cert.name).read_bytes() != cert.read_bytes():
-            shutil.copyfile(cert, dest / cert.name)
-            changed = True
-    if changed:
-        ok(ct(hosts, "update-ca-certificates"))
-
-
-@pytest.mark.usefixtures("ct_trusts_host_cas")
 def test_env_build_drift_rebuild_fail_rollback(remote_fleet: RemoteFleet) -> None:
     fleet, hosts, workdir = remote_fleet, remote_fleet.hosts, remote_fleet.workdir
     fleet.write(env="smoke")

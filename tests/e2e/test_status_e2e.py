@@ -94,15 +94,18 @@ def test_all_targets_one_row_each(remote_fleet: RemoteFleet, tmp_path: Path) -> 
     start(remote_fleet, "--selftest.steps=5", "--selftest.step_seconds=0.2")
     poll(remote_fleet, lambda d: d["state"] == "finished", "finished")
     second = dict(remote_fleet.target, workdir=remote_fleet.workdir)
-    broken = dict(remote_fleet.target, workdir="/nonexistent-fleet-workdir")
+    empty = dict(remote_fleet.target, workdir="/nonexistent-fleet-workdir")
+    down = dict(remote_fleet.target, container={"type": "pct", "id": remote_fleet.hosts.stopped_ct_id})
     from testkit import render_inventory, run_fab
 
     config = tmp_path / "all.toml"
-    config.write_text(render_inventory({"a": remote_fleet.target, "b": second, "c": broken}, "a"))
+    targets = {"a": remote_fleet.target, "b": second, "c": empty, "d": down}
+    config.write_text(render_inventory(targets, "a"))
     result = run_fab(["status", "--json"], config, env={"FLEET_TARGET": "all"}, timeout=90)
     assert "Traceback" not in result.stderr, result.stderr
     rows = json.loads(result.stdout)
-    assert [r["target"] for r in rows] == ["a", "b", "c"]
+    assert [r["target"] for r in rows] == ["a", "b", "c", "d"]
     assert rows[0]["state"] == rows[1]["state"] == "finished"
-    assert "no run" in rows[2]["error"]
-    assert result.returncode == 5  # the worst: c has no run (RunError)
+    assert rows[2]["state"] == "never"  # no run there: a state like any other
+    assert "status: stopped" in rows[3]["error"]
+    assert result.returncode == 3  # the worst: d's container is down (TargetError)

@@ -49,8 +49,10 @@ def test_release_id_is_bumped_past_existing_ones_in_the_same_second() -> None:
 def test_releases_to_prune_keeps_newest_and_protected() -> None:
     ids = [f"20261130T0000{i:02d}Z-abcdef1" for i in range(6)]
     assert d.releases_to_prune(ids, 3) == ids[:3]
-    # The current and a live run's release are never pruned; they count towards keep.
-    assert d.releases_to_prune(ids, 3, [ids[0], None]) == ids[1:3]
+    # The new release and a live run's are never pruned; they count towards keep: exactly 3 stay.
+    assert d.releases_to_prune(ids, 3, [ids[0], None]) == ids[1:4]
+    assert d.releases_to_prune(ids, 3, [ids[5], ids[0]]) == ids[1:4]
+    assert d.releases_to_prune(ids, 1, [ids[5], ids[0]]) == ids[1:5]  # two protected: two stay
     # Names that are not release ids are never touched.
     assert d.releases_to_prune([*ids, "keep-me", ".tmp-x"], 6) == []
     assert d.releases_to_prune(ids, 0) == ids[:5]  # at least one always stays
@@ -295,3 +297,53 @@ def test_a_second_deploy_while_one_is_uploading_is_refused_and_changes_nothing(t
     second = d.deploy(target, REPO)  # the lock is free again: the leftover goes, the deploy lands
     assert sorted(p.name for p in (work / "releases").iterdir()) == sorted([first.id, second.id])
     assert os.readlink(work / "current") == f"releases/{second.id}"
+
+
+def _install(
+    workdir: Path, release_id: str, keep: int, *protected: str
+) -> subprocess.CompletedProcess[bytes]:
+    """deploy_install.sh on this machine with a minimal complete release (a MANIFEST.json)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = json.dumps({"release_id": release_id}).encode()
+        info = tarfile.TarInfo(d.MANIFEST_FILE)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    argv = d.remote.sh(
+        "deploy_install.sh", str(workdir), f".tmp-{release_id}", release_id, str(keep), *protected
+    )
+    return subprocess.run(argv, input=buf.getvalue(), capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_install_script_prunes_by_the_same_rule_as_releases_to_prune(tmp_path: Path, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    ids = sorted(
+        f"2026113{rng.randint(0, 9)}T0{rng.randint(0, 9)}0000Z-abcdef{rng.randint(0, 9)}" for _ in range(8)
+    )
+    ids = sorted(set(ids))
+    new = "20270101T000000Z-abcdef1"
+    keep = rng.randint(1, 5)
+    protected = rng.sample(ids, rng.randint(0, 2))
+    (tmp_path / "releases").mkdir()
+    for rid in ids:
+        (tmp_path / "releases" / rid).mkdir()
+    (tmp_path / "releases" / "not-a-release").mkdir()
+    result = _install(tmp_path, new, keep, *protected)
+    assert result.returncode == 0, result.stderr
+    expected = sorted({*ids, new} - set(d.releases_to_prune([*ids, new], keep, [new, *protected])))
+    left = sorted(p.name for p in (tmp_path / "releases").iterdir())
+    assert left == sorted([*expected, "not-a-release"])
+    assert len(expected) == max(keep, 1 + len(protected))
+
+
+def test_install_refuses_an_id_that_is_taken_or_not_the_newest(tmp_path: Path) -> None:
+    (tmp_path / "releases" / "20261130T000002Z-abcdef1").mkdir(parents=True)
+    for rid in ("20261130T000002Z-abcdef1", "20261130T000001Z-abcdef1", "20261130T000002Z-abcdef1-dirty"):
+        result = _install(tmp_path, rid, 3)
+        assert result.returncode == d.ID_TAKEN_EXIT, (rid, result.stderr)
+        assert sorted(p.name for p in (tmp_path / "releases").iterdir()) == ["20261130T000002Z-abcdef1"]
+        assert not (tmp_path / "current").exists()
+    assert _install(tmp_path, "20261130T000003Z-abcdef1", 3).returncode == 0

@@ -158,3 +158,70 @@ def test_generic_tracebacks_of_interleaved_ranks_are_read_per_rank() -> None:
     (d,) = diagnose("\n".join(mixed))
     assert d.signature == "python-traceback" and "KeyError: 'completion_ids'" in d.cause
     assert "training/data.py:77 in load_buckets" in d.cause
+
+
+# ---------------------------------------------------------------- full disk, aborts, SIGKILL
+
+
+def test_full_disk_in_the_data_cache_of_a_real_run() -> None:
+    """disk_full.log: the real tiny trainer with its run dir on a 160 KiB tmpfs (HF datasets
+    writing its cache through fsspec): named as a full disk, not as a line of fsspec to open."""
+    assert _sigs("disk_full.log") == ["disk-full"]
+    d = _one("disk_full.log", "disk-full")
+    assert "No space left on device" in d.cause and "[Errno 28]" in d.evidence
+    assert "df -h" in d.fix and "checkpoint" in d.fix
+
+
+def test_disk_full_names_the_path_when_the_error_does() -> None:
+    log = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n' + (
+        "OSError: [Errno 28] No space left on device: '/workspace/fleet/runs/r/checkpoints/.s.tmp'\n"
+    )
+    (d,) = diagnose(log)
+    assert d.signature == "disk-full" and "/workspace/fleet/runs/r/checkpoints/.s.tmp" in d.cause
+
+
+def test_cpp_abort_from_a_real_uncaught_exception() -> None:
+    """cpp_abort.log: a C++ program throwing, run by fleet's remote/run.sh (libstdc++'s report)."""
+    (d,) = diagnose((LOGS / "cpp_abort.log").read_text())
+    assert d.signature == "cpp-abort" and "std::runtime_error" in d.cause
+    assert "illegal memory access" in d.cause and d.evidence.startswith("what():")
+    # a NCCL watchdog abort is the timeout's doing: the specific signature, no second diagnosis
+    assert "cpp-abort" not in _sigs("nccl_timeout.log")
+
+
+def test_traceback_of_a_module_qualified_exception() -> None:
+    """dynamo_unsupported.log: torch._dynamo.exc.Unsupported (a name not ending in Error)."""
+    (d,) = diagnose((LOGS / "dynamo_unsupported.log").read_text())
+    assert d.signature == "python-traceback" and d.cause.startswith("torch._dynamo.exc.Unsupported: ")
+
+
+def test_killed_diagnosis_names_who_killed_the_run() -> None:
+    from fleet.status.diagnose import killed_diagnosis
+
+    assert killed_diagnosis(1, "", None, ()) is None
+    assert killed_diagnosis(None, "KILL", None, ()) is None
+    forced = killed_diagnosis(137, "KILL", None, ())
+    assert forced is not None and "fab stop --force" in forced.cause
+    oom = "Out of memory: Killed process 4242 (python3) total-vm:9000kB, anon-rss:8000kB, UID:0"
+    killed = killed_diagnosis(
+        137, "", True, ("oom-kill:constraint=CONSTRAINT_NONE,task=python3,pid=4242", oom)
+    )
+    assert killed is not None and killed.signature == "oom-killer" and killed.evidence == oom
+    unknown = killed_diagnosis(137, "TERM", False, ())
+    assert unknown is not None and unknown.signature == "sigkill"
+    for cause in ("OOM killer", "fab stop --force", "container"):
+        assert cause in unknown.cause
+    assert "dmesg" in unknown.fix
+    readable = killed_diagnosis(137, "", True, ())
+    assert readable is not None and "no OOM kill" in readable.fix
+
+
+def test_a_rendezvous_that_did_not_come_up() -> None:
+    """Real logs of `python -m training.topology` under run.sh: a 2-node rendezvous that timed out,
+    and an endpoint whose host does not resolve (training.topology's one line each)."""
+    (timeout,) = diagnose((LOGS / "rendezvous_timeout.log").read_text())
+    assert timeout.signature == "rendezvous" and "did not form within 5 s" in timeout.cause
+    assert timeout.fix.startswith("start the same command on every node")
+    (unresolved,) = diagnose((LOGS / "rendezvous_unresolved.log").read_text())
+    assert unresolved.signature == "rendezvous" and "does not resolve" in unresolved.cause
+    assert "/etc/hosts" in unresolved.fix

@@ -402,8 +402,8 @@ def test_report_views() -> None:
 
 def run_probe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-I", "-", *args],
-        input=BANDWIDTH.read_text(),
+        [sys.executable, "-I", "-c", BANDWIDTH.read_text(), *args],  # as fab doctor runs it
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=300,

@@ -215,6 +215,19 @@ BAD = {
         "default_target = 'nope' is not a target",
     ),
     "no-targets": ('default_target = "local"\n', "no targets"),
+    "workdir-root": (LOCAL + PVE.replace('"/workspace/fleet"', '"/"'), "targets.pve.workdir = '/' would put"),
+    "workdir-usr": (LOCAL + PVE.replace('"/workspace/fleet"', '"/usr"'), "fleet's tree (bin/, envs/"),
+    "workdir-under-etc": (LOCAL + PVE.replace('"/workspace/fleet"', '"/etc/fleet"'), "into /etc"),
+    "workdir-var-lib": (LOCAL + PVE.replace('"/workspace/fleet"', '"/var/lib/"'), "into /var/lib;"),
+    "workdir-dotdot": (LOCAL + PVE.replace('"/workspace/fleet"', '"/workspace/../etc"'), "goes through '..'"),
+    "local-workdir-dotdot": (LOCAL.replace('"state/local"', '"state/../../x"'), "targets.local.workdir"),
+    "local-workdir-home": (LOCAL.replace('"state/local"', '"~"'), "targets.local.workdir = '~' would put"),
+    "override-nul": (LOCAL + '[targets.local.run]\noverrides = ["--a=b\\u0000c"]\n', "overrides[0]"),
+    "env-value-nul": (
+        LOCAL + "[targets.local.run]\nenv = { K = 'x' }\n".replace("'x'", '"s3\\u0000cret"'),
+        "run.env.K has a NUL",
+    ),
+    "identity-nul": (LOCAL + PVE.replace('"keys/id"', '"keys/\\u0000id"'), "targets.pve.identity_file"),
 }
 
 
@@ -228,6 +241,7 @@ def test_bad_inventory_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"fleet: {tmp_path / 'fleet.toml'}: "), lines[0]
     assert expected in lines[0]
+    assert "s3" not in lines[0] or case != "env-value-nul"  # a run.env value is never shown
     assert not (tmp_path / "state").exists()  # validated before anything ran
 
 

@@ -316,9 +316,9 @@ def test_live_runs_release_is_never_pruned(target: LocalTarget) -> None:
     first = d.deploy(target, REPO)
     info = runs.start_run(target)
     wait_for("the first step", lambda: has_step(info.run_dir))
-    later = [d.deploy(target, REPO).id for _ in range(3)]  # keep_releases = 2
+    later = [d.deploy(target, REPO).id for _ in range(3)]  # keep_releases = 2: the live run's counts
     releases = sorted(p.name for p in (Path(target.spec.workdir) / "releases").iterdir())
-    assert first.id in releases and releases == sorted([first.id, *later[-2:]])
+    assert first.id in releases and releases == sorted([first.id, later[-1]])
     assert runs.basic_status(target, 0).state == "live"  # its code was never touched
     runs.stop_run(target)
     d.deploy(target, REPO)  # now it may go
@@ -489,3 +489,42 @@ def test_runs_through_ssh_and_pct(remote_fleet: RemoteFleet) -> None:
         wait_for("the killed run to be seen", lambda: runs.basic_status(target, 0).state == "exited")
         assert runs.basic_status(target).exit_code == 137
         assert "s3cr3t" not in runs.read_log(target, 200)
+
+
+def test_run_with_env_delivers_the_env_on_stdin_never_in_argv(tmp_path: Path) -> None:
+    """The command sees run.env's values; its argv and its parents' argv (`ps`) never hold them."""
+    spec = TargetSpec(
+        name="t",
+        host="local",
+        workdir=str(tmp_path),
+        run=RunSpec(module="training", config="tiny-cpu", env={"TOKEN": SECRET}),
+    )
+    (tmp_path / "current").mkdir()
+    probe = (
+        'printf "%s" "$TOKEN" | sha256sum | cut -c1-16; '
+        'for pid in $$ $PPID; do tr "\\0" " " < /proc/$pid/cmdline; echo; done'
+    )
+    with open_target(spec) as target:
+        res = runs.run_with_env(target, ["sh", "-c", probe])
+    assert res.exit_code == 0, res.stderr
+    digest = hashlib.sha256(SECRET.encode()).hexdigest()[:16]
+    lines = res.stdout.splitlines()
+    assert lines[0] == digest
+    assert all("pwned" not in line and SECRET not in line for line in lines[1:]), lines
+    assert res.argv == ("sh", "-c", probe)  # what an error would show: the command, not the wrapper
+
+
+def test_failure_summary_picks_the_line_that_says_why() -> None:
+    warm = (
+        'lots of progress\nTraceback (most recent call last):\n  File "w.py", line 3, in f\nRuntimeError: x\n'
+    )
+    assert (
+        runs.failure_summary(warm + "warm: failed at bucket 0 [0, 65): E\n", 1)
+        == "warm: failed at bucket 0 [0, 65): E"
+    )
+    assert (
+        runs.failure_summary(warm + "\nSet TORCHDYNAMO_VERBOSE=1 for more\n", 1)
+        == "RuntimeError: x (at w.py:3)"
+    )
+    assert runs.failure_summary("error: bad config\n", 2) == "error: bad config"
+    assert runs.failure_summary("", 9) == "exit 9"

@@ -389,7 +389,7 @@ def test_fetch_script_on_a_real_run_dir(tmp_path: Path) -> None:
     assert got.events_truncated and len(got.events_text.encode()) <= 4096
     st = build_status("t", got.facts, got.events_text, got.log_text, events_truncated=True)
     assert st.state == "failed" and st.step == 400
-    assert [d.signature for d in st.diagnosis] == ["cuda-oom"]
+    assert [d.signature for d in st.diagnosis] == ["cuda-oom", "sigkill"]  # exit 137: named last
 
 
 def test_fetch_with_no_run_and_a_cut_answer(tmp_path: Path) -> None:
@@ -554,3 +554,76 @@ def test_all_targets_table_has_one_row_per_target() -> None:
     console.print(summary_table(rows))
     out = console.file.getvalue()
     assert "training" in out and "4/100" in out and "no run under /w/runs" in out
+
+
+# --------------------------------------------------------------------------- a log alone, never, kernel
+
+
+@pytest.mark.parametrize(
+    ("log", "signature"),
+    [
+        ("cpp_abort.log", "cpp-abort"),
+        ("dynamo_unsupported.log", "python-traceback"),
+        ("disk_full.log", "disk-full"),
+        ("rendezvous_timeout.log", "rendezvous"),
+    ],
+)
+def test_fab_status_log_alone_ending_in_a_fatal_error_is_failed(
+    tmp_path: Path, log: str, signature: str
+) -> None:
+    """`fab status --log FILE`: no events, no process facts; a log whose tail is fatal has failed."""
+    from testkit import run_fab
+
+    config = tmp_path / "fleet.toml"
+    config.write_text('[targets.x]\nhost = "local"\nworkdir = "w"\n')
+    result = run_fab(["status", "--json", "--log", str(LOGS / log)], config)
+    assert result.returncode == 12, result.stdout + result.stderr
+    data = json.loads(result.stdout)
+    assert data["state"] == "failed" and [d["signature"] for d in data["diagnosis"]] == [signature]
+
+
+def test_a_log_with_only_warnings_is_not_failed() -> None:
+    for name in ("flex_dense.log", "nvml_mismatch.log"):
+        st = status_from_path(LOGS / name)
+        assert st.state == "starting" and st.diagnosis, name  # diagnosed, but nothing says it died
+
+
+def test_never_status_is_a_state_with_exit_0() -> None:
+    from fleet.status.fetch import never_status
+
+    st = never_status("t", "/w")
+    assert (st.state, st.exit_code, st.final, st.run_id) == ("never", 0, True, "")
+    assert st.to_json()["state"] == "never" and "fab train" in st.notes[0]
+    assert "never" in render_text(st)
+
+
+def test_parse_kernel_log_keeps_oom_lines_of_the_run_window() -> None:
+    from fleet.status.fetch import parse_kernel_log
+
+    # clock 1000000 with uptime 5000 s: boot at 995000; a line at 4000.5 s is at 999000.5
+    text = (
+        "1000000 5000.00\n"
+        "[ 1000.000000] Out of memory: Killed process 11 (python3) total-vm:1kB\n"
+        "[ 4000.500000] oom-kill:constraint=CONSTRAINT_NONE,task=python3,pid=42,uid=0\n"
+        "[ 4000.600000] Out of memory: Killed process 42 (python3) total-vm:9kB\n"
+    )
+    readable, lines = parse_kernel_log(text, since=998000.0, until=999500.0)
+    assert readable and lines == (
+        "oom-kill:constraint=CONSTRAINT_NONE,task=python3,pid=42,uid=0",
+        "Out of memory: Killed process 42 (python3) total-vm:9kB",
+    )
+    assert parse_kernel_log("1000000 5000.00\nunreadable\n", None, None) == (False, ())
+    assert parse_kernel_log("", None, None) == (False, ())
+
+
+def test_a_pane_that_is_not_the_runs_lends_it_nothing() -> None:
+    """The session's dead pane belongs to another run (pid differs): its status is not this run's."""
+    out = "".join(
+        f"\n@@B {name}\n{body}"
+        for name, body in (("now", "100"), ("run", "r2"), ("pane", "1 3 0 777"), ("pid", "555"), ("end", ""))
+    )
+    facts = parse_fetch(out, "@@B").facts
+    assert (facts.alive, facts.exit_code) == (False, None)
+    mine = out.replace("@@B pid\n555", "@@B pid\n777")
+    facts = parse_fetch(mine, "@@B").facts
+    assert (facts.alive, facts.exit_code) == (False, 3)

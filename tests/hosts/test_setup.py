@@ -51,3 +51,13 @@ def test_container_200_has_shm_and_its_hostname_once_after_every_setup(hosts: Te
     assert hosts.pct_exec("getent", "hosts", hosts.ct_name).stdout.split()[0] == "127.0.1.1"
     mounts = [m for m in hosts.pct_exec("cat", "/proc/mounts").stdout.splitlines() if " /dev/shm " in m]
     assert len(mounts) == 1 and mounts[0].startswith("shm /dev/shm tmpfs "), mounts
+
+
+def test_container_trusts_this_machines_cas(hosts: TestHost) -> None:
+    """Like a Proxmox container on this network: the CAs this machine added are in its bundle."""
+    bundle = hosts.pct_exec("cat", "/etc/ssl/certs/ca-certificates.crt").stdout
+    for cert in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")):
+        body = "".join(
+            line for line in cert.read_text().splitlines() if line and not line.startswith("-----")
+        )
+        assert body[:200] in bundle.replace("\n", ""), f"{cert} is not in the container's CA bundle"

@@ -44,8 +44,10 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -228,6 +230,27 @@ def warm_step(
     return out.num_tokens
 
 
+class WarmStepFailed(RuntimeError):
+    """A shape's warm step failed; ``str()`` is one line: the shape, the error and, for a compile
+    error, the compiler's own first error line (inductor puts it deep in a multi-line message)."""
+
+    def __init__(self, shape: ShapeRecord, lo: int, hi: int, exc: BaseException) -> None:
+        where = f"bucket {shape.bucket} [{lo}, {hi}) batch {shape.batch_size} x {shape.length}"
+        super().__init__(f"warm: failed at {where}: {error_summary(exc)}")
+
+
+_COMPILER_ERROR = re.compile(r"(?:^|[\s:])(?:fatal )?error\b", re.IGNORECASE)
+
+
+def error_summary(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc``, plus the first line of its message that reads like a
+    compiler error (``file:line:col: error: ...``) when that is not the first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    detail = next((line for line in lines[1:] if _COMPILER_ERROR.search(line)), "")
+    return f"{head}; compiler: {detail}" if detail else head
+
+
 def prewarm(
     drafter: DFlashDrafter,
     shapes: Sequence[ShapeRecord],
@@ -248,11 +271,14 @@ def prewarm(
     )
     for i, shape in enumerate(shapes, 1):
         started = time.monotonic()
-        with torch.random.fork_rng(devices=cuda):
-            warm_step(drafter, shape, device=device, hidden_dtype=hidden_dtype, generator=generator)
+        lo, hi = boundaries[shape.bucket], boundaries[shape.bucket + 1]
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                warm_step(drafter, shape, device=device, hidden_dtype=hidden_dtype, generator=generator)
+        except Exception as exc:
+            raise WarmStepFailed(shape, lo, hi, exc) from exc
         seconds = time.monotonic() - started
         done.append(ShapeRecord(shape.bucket, shape.batch_size, shape.length, round(seconds, 3)))
-        lo, hi = boundaries[shape.bucket], boundaries[shape.bucket + 1]
         echo(
             f"warm [{i}/{len(shapes)}] bucket {shape.bucket} [{lo}, {hi}): batch {shape.batch_size} x "
             f"{shape.length}: {seconds:.1f}s ({format_counters(cache_counters())})"
@@ -385,7 +411,12 @@ def warm_main(config_name: str, cache_dir: str, overrides: Sequence[str], *, if_
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"warm --cache-dir {root}: cannot create it ({exc.strerror})") from None
-    run_warm(config, root, if_needed=if_needed)
+    try:
+        run_warm(config, root, if_needed=if_needed)
+    except WarmStepFailed as exc:
+        traceback.print_exc()  # the whole story first; the one-line summary last (what fab shows)
+        print(exc, file=sys.stderr, flush=True)
+        return 1
     sys.stdout.flush()
     return 0
 
@@ -393,6 +424,7 @@ def warm_main(config_name: str, cache_dir: str, overrides: Sequence[str], *, if_
 __all__ = [
     "CacheDir",
     "StandInTarget",
+    "WarmStepFailed",
     "compile_shapes",
     "config_hash",
     "kernel_probe_target",

@@ -114,10 +114,14 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as handle:
-        torch.save({**state, "step": step, "rng": rng_state()}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save({**state, "step": step, "rng": rng_state()}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a checkpoint that did not fit must not keep the disk full
+        raise
     os.replace(tmp, final)
     _fsync_dir(folder)
     for _, old in list_checkpoints(run_dir)[:-keep]:
