@@ -58,14 +58,16 @@ topology() {  # 1+1 on two GPUs; the drafter reuses compile()'s cache when it is
         --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
     rm -rf "$OUT/topology-run/checkpoints" "$OUT/topology-run/data-cache"
 }
-doctor() {  # fab doctor: `fab doctor --bandwidth` on a local 2-GPU target, topology 1+1 (run it by name)
+doctor() {  # fab doctor --bandwidth on a local target of every GPU here; 2+ GPUs: topology 1+1 (run it by name)
+    local n; n=$(nvidia-smi -L | grep -c '^GPU')
+    local topo=""; [ "$n" -ge 2 ] && topo='topology = "1+1"'
     cat > /tmp/fleet-doctor.toml <<TOML
 default_target = "h200"
 [targets.h200]
 host = "local"
 workdir = "/tmp/fleet-doctor"
-gpus = 2
-topology = "1+1"
+gpus = $n
+$topo
 env = ""
 [targets.h200.run]
 config = "qwen3-8b-h200"
@@ -91,14 +93,16 @@ target() {  # qwen3.6-27b-random forward on one H200: fast path with a cold, the
         | tail -1 | tee "$OUT/target_fallback.json"
 }
 HYBRID_WORKDIR=/tmp/fleet-hybrid
-hybrid_inventory() {  # a local 2-GPU target running qwen3.6-27b-random as 1+1 (one bucket: one compiled shape)
+hybrid_inventory() {  # a local target of every GPU here running qwen3.6-27b-random, 2+ GPUs as 1+1 (one bucket)
+    local n; n=$(nvidia-smi -L | grep -c '^GPU')
+    local topo=""; [ "$n" -ge 2 ] && topo='topology = "1+1"'
     cat > /tmp/fleet-hybrid.toml <<TOML
 default_target = "h200"
 [targets.h200]
 host = "local"
 workdir = "$HYBRID_WORKDIR"
-gpus = 2
-topology = "1+1"
+gpus = $n
+$topo
 env = ""
 [targets.h200.run]
 config = "qwen3.6-27b-random"
@@ -139,6 +143,7 @@ print(r['target']['tokens_per_busy_s'], r['drafter']['tokens_per_busy_s'])" "$OU
 }
 hybrid_plan() {  # fab plan --gpus 8: its own probe (target + drafter on one GPU) for the same config
     hybrid_inventory
+    [ -e "$HYBRID_WORKDIR/current" ] || python3 -m fabric deploy || return 1
     timeout -k 20 "${HYBRID_PLAN_LIMIT_S:-540}" python3 -m fabric plan --gpus 8 | tee "$OUT/hybrid_plan_probe.txt"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done

@@ -102,12 +102,20 @@ def format_plan(rates: Rates, splits: list[Split]) -> str:
 
 
 def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> Rates:
-    """Measure one target rank's forward rate and one drafter rank's step rate on this device."""
+    """Measure one target rank's forward rate and one drafter rank's step rate on this device.
+
+    The two roles run one after the other, as they do on their own GPUs in an N+M run: first the
+    target's forwards (timed after ``warmup`` untimed ones), keeping the hidden states the drafter
+    needs; then the target's decoder layers move to the CPU (the drafter shares only the
+    embedding and lm_head) and the drafter steps on those hidden states. So the probe's peak is
+    max(target, drafter), not their sum: a 27B target (54 GB) and its 2B drafter (weights,
+    AdamW state and a step's activations) do not fit on one 141 GB H200 together.
+    """
     import torch
 
     from training.config import load_config
     from training.model.kernels import linear_attention_kernels
-    from training.model.target import target_forward
+    from training.model.target import decoder_layers, target_forward
     from training.run.core import batch_anchors
     from training.run.single import Trainer
 
@@ -117,47 +125,61 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
     try:
         trainer.setup(quiet_data=True)
         device = trainer.device
+        fast_path = linear_attention_kernels(trainer.target).fast_path
 
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        t_target = t_drafter = 0.0
-        tokens = measured = 0
-        # Warm-up covers every length bucket (each is its own compiled shape), then measure.
+        # Target: `warmup` untimed forwards, then `batches` timed ones. Kept for the drafter: the
+        # first batch of each length bucket (each is its own compiled shape: the drafter's
+        # warm-up) and the timed batches.
         buckets = len(trainer.data.planner.boundaries) - 1
-        seen: set[int] = set()
-        i = 0
+        warm_batches: dict[int, tuple] = {}
+        timed_batches: list[tuple] = []
+        t_target = 0.0
+        tokens = i = 0
         limit = warmup + 20 * buckets
-        while measured < batches:
+        while len(timed_batches) < batches:
             batch = trainer.next_batch()
-            warming = i < warmup or (trainer.compiled and len(seen) < buckets and i < limit)
-            seen.add(batch.bucket)
+            warming = i < warmup
             i += 1
             ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
             sync()
             t0 = time.perf_counter()
             hidden = target_forward(trainer.target, ids, trainer.layer_ids)
             sync()
-            t1 = time.perf_counter()
-            anchors = batch_anchors(config, mask, batch.lengths, batch.position)
-            sync()
-            t2 = time.perf_counter()
-            trainer.drafter_step(ids, mask, hidden, anchors)
-            sync()
-            t3 = time.perf_counter()
-            if not warming:
-                t_target += t1 - t0
-                t_drafter += t3 - t2
-                tokens += int(batch.lengths.sum())
-                measured += 1
+            item = (ids, mask, hidden, batch_anchors(config, mask, batch.lengths, batch.position))
+            if batch.bucket not in warm_batches and (trainer.compiled or not warm_batches):
+                warm_batches[batch.bucket] = item
+            if warming or (trainer.compiled and len(warm_batches) < buckets and i < limit):
+                continue
+            t_target += time.perf_counter() - t0
+            tokens += int(batch.lengths.sum())
+            timed_batches.append(item)
+
+        for layer in decoder_layers(trainer.target):
+            layer.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        # Drafter: one step per kept bucket (compiles each shape), `warmup` more, then timed.
+        first = next(iter(warm_batches.values()))
+        for item in [*warm_batches.values(), *[first] * warmup]:
+            trainer.drafter_step(*item)
+        sync()
+        t0 = time.perf_counter()
+        for item in timed_batches:
+            trainer.drafter_step(*item)
+        sync()
+        t_drafter = time.perf_counter() - t0
         return Rates(
             tokens / max(t_target, 1e-9),
             tokens / max(t_drafter, 1e-9),
             str(device),
             batches,
             tokens,
-            linear_attention_kernels(trainer.target).fast_path,
+            fast_path,
         )
     finally:
         trainer.close()
