@@ -238,7 +238,8 @@ def report_step(
         "grad_norm": result.grad_norm,
         "mem_gib": mem,
     }
-    events.emit("step", **metrics, **extra)
+    # labelled: the block positions the loss (and the lm_head) ran on; for the FLOP count
+    events.emit("step", **metrics, labelled=result.num_tokens, **extra)
     if logger is not None:
         logger.log({f"train/{k}": v for k, v in metrics.items() if k != "acc"}, step)
     echo(
