@@ -225,6 +225,12 @@ def summarize(
         "measured_steps": len(warm) // max(m, 1),
         "median_step_s": statistics.median(step_times) if step_times else None,
         "spec_peak_tflops": spec_peak / 1e12 if spec_peak else None,
+        # what each checkpoint cost the pipeline (blocking_s) and the whole write (total_s)
+        "checkpoints": [
+            {"step": e["step"], "blocking_s": e.get("blocking_s"), "total_s": e.get("total_s", e["seconds"])}
+            for e in events
+            if e["event"] == "checkpoint"
+        ],
         "roles": roles,
     }
 
@@ -254,6 +260,10 @@ def append_results(summary: dict[str, Any], argv: list[str]) -> None:
         f"spec {summary['spec_peak_tflops'] or 0:.0f} TFLOP/s (H200 dense bf16; n/a on a CPU); "
         "FLOPs: training/model/flops.py",
     ]
+    for c in summary["checkpoints"]:
+        blocking = "n/a" if c["blocking_s"] is None else f"{c['blocking_s']:.2f} s"
+        written = f"{c['total_s']:.2f} s"
+        lines.append(f"- checkpoint step {c['step']}: training blocked {blocking}, written in {written}")
     for role, r in roles.items():
         lines.append(
             f"- {role} x{r['ranks']}: MFU {pct(r['mfu'])} of the measured peak (while busy "
