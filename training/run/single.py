@@ -13,6 +13,7 @@ step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import time
@@ -297,7 +298,10 @@ class Trainer:
         return self.step
 
     def close(self) -> None:
-        self.checkpoints.wait()  # a write in flight completes even when training failed
+        # a write in flight completes even when training failed; a failed write has raised in
+        # train() already, and on an error path the training error is the one to report
+        with contextlib.suppress(Exception):
+            self.checkpoints.wait()
         self._restore_signals()
         self.logger.finish()
         self.events.close()
