@@ -12,14 +12,19 @@ the topology; (3) the real job under torchrun with ``pipeline.balance_window_s``
 (4) from its events.jsonl, after ``--warmup-steps`` (compile): measured tokens/s (drafter
 step events), idle fraction per role (``balance`` events: wait_s / window_s), MFU per role.
 
-FLOPs (useful work only; the loss's checkpoint recompute is not counted):
-  target forward on the real tokens = training.model.flops.forward_flops (dense Qwen3 and the
-                                   qwen3_5 hybrid: matmuls, causal attention, the chunked delta rule)
-                                   over the layers the trainer runs (up to the deepest chosen one)
-  drafter fwd+bwd per batch      = 3 * (fc on every token + per block query token: 2 * layer
-                                   params * layers + attention over min(window, T/2) + lm_head 2*d*V)
-MFU = achieved FLOP/s per rank / measured peak; ``mfu`` over wall time, ``mfu_busy`` over the
-role's busy time. Prints one JSON line (last line of stdout).
+FLOPs (useful work only; training/model/flops.py, one tested module):
+  target forward on the real tokens = ``forward_flops`` (dense Qwen3 and the qwen3_5 hybrid:
+                                   matmuls, causal attention, the chunked delta rule) over the
+                                   layers the trainer runs (up to the deepest chosen one)
+  drafter step (fwd + bwd)       = ``drafter_step_flops``: fc (no input gradient), the layers on
+                                   the block tokens, every layer's context K/V projections, the
+                                   visible attention pairs, the frozen lm_head (input gradient only)
+                                   on the labelled positions; the anchors' expected spans
+                                   (``AnchorStats.expected``) at the batch's mean length, with the
+                                   step event's ``labelled`` count where the event has it
+MFU = achieved FLOP/s per rank / peak, against two peaks: the bf16 8192^3 matmul rate measured
+here (``mfu``) and the H200's 989 TFLOP/s dense bf16 spec (``mfu_spec``, on a GPU only); ``mfu``
+over wall time, ``mfu_busy`` over the role's busy time. Prints one JSON line (last line of stdout).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,14 @@ sys.path.insert(0, str(REPO))
 
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
-from training.model.flops import TargetShape, forward_flops  # noqa: E402
+from training.model.flops import (  # noqa: E402
+    H200_BF16_DENSE_PEAK,
+    AnchorStats,
+    DrafterShape,
+    TargetShape,
+    drafter_step_flops,
+    forward_flops,
+)
 from training.model.tinymodel import target_text_config  # noqa: E402
 from training.run.core import anchors_per_row, drafter_config  # noqa: E402
 
@@ -65,40 +78,18 @@ def peak_matmul_flops(device: str, size: int, iters: int) -> float:
     return 2 * size**3 * iters / (time.perf_counter() - started)
 
 
-def shape(config: RunConfig) -> dict[str, int]:
-    """The target's dimensions: from the config (tiny/random) or the model folder's config.json."""
-    m = config.model
-    if m.kind == "pretrained":
-        raw = json.loads((Path(m.path).expanduser() / "config.json").read_text())
-        raw = raw.get("text_config", raw)
-        heads = raw["num_attention_heads"]
-        return {
-            "d": raw["hidden_size"],
-            "layers": raw["num_hidden_layers"],
-            "heads": heads,
-            "kv": raw.get("num_key_value_heads", heads),
-            "hd": raw.get("head_dim") or raw["hidden_size"] // heads,
-            "inter": raw["intermediate_size"],
-            "vocab": raw["vocab_size"],
-        }
-    return {
-        "d": m.hidden_size,
-        "layers": m.num_hidden_layers,
-        "heads": m.num_attention_heads,
-        "kv": m.num_key_value_heads,
-        "hd": m.head_dim,
-        "inter": m.intermediate_size,
-        "vocab": m.vocab_size,
-    }
+@dataclass(frozen=True)
+class FlopShapes:
+    """What the FLOP counts of a run need: the target's shape, the layers its forward runs (up
+    to the deepest chosen one) and the drafter's shape."""
+
+    target: TargetShape
+    layers_run: int
+    drafter: DrafterShape
 
 
-def layer_params(s: dict[str, int]) -> int:
-    attn = s["d"] * s["heads"] * s["hd"] * 2 + s["d"] * s["kv"] * s["hd"] * 2
-    return attn + 3 * s["d"] * s["inter"]
-
-
-def target_shape(config: RunConfig) -> tuple[TargetShape, int]:
-    """The target's FLOP shape and the layers a target forward runs (up to the deepest chosen)."""
+def flop_shapes(config: RunConfig) -> FlopShapes:
+    """From the config (tiny/random) or the model folder's config.json."""
     m = config.model
     if m.kind == "pretrained":
         from transformers import AutoConfig
@@ -107,30 +98,29 @@ def target_shape(config: RunConfig) -> tuple[TargetShape, int]:
     else:
         hf = target_text_config(m, m.vocab_size)
     ts = TargetShape.from_config(hf)
-    return ts, max(drafter_config(config).resolved_target_layers(ts.layers)) + 1
+    chosen = drafter_config(config).resolved_target_layers(ts.layers)
+    return FlopShapes(ts, max(chosen) + 1, DrafterShape.from_configs(hf, config.drafter, len(chosen)))
 
 
-def target_flops(ts: tuple[TargetShape, int], tokens: int, sequences: int, padded: int) -> float:
-    """Forward FLOPs of the target decoder on one batch (real tokens; causal attention)."""
-    shape_, layers_run = ts
-    mean_len = tokens / max(sequences, 1)
-    return forward_flops(shape_, max(sequences, 1), mean_len, layers_run=layers_run)["total"]
+def target_flops(shapes: FlopShapes, event: dict[str, Any]) -> float:
+    """Forward FLOPs of the target decoder on one step's batch (real tokens; causal attention)."""
+    rows = max(int(event["sequences"]), 1)
+    mean_len = event["tokens"] / rows
+    return forward_flops(shapes.target, rows, mean_len, layers_run=shapes.layers_run)["total"]
 
 
-def drafter_flops(config: RunConfig, s: dict[str, int], tokens: int, sequences: int, padded: int) -> float:
-    """Forward + backward FLOPs of one drafter step on one batch."""
-    dc = config.drafter
-    n_layers_in = dc.num_target_layers if not dc.target_layer_ids else len(dc.target_layer_ids)
-    mean_len = tokens / max(sequences, 1)
-    queries = sequences * anchors_per_row(config, padded) * dc.block_size
-    fc = 2 * n_layers_in * s["d"] * s["d"] * sequences * padded
-    dense = 2 * layer_params(s) * dc.num_layers * queries
-    attn = 0.0
-    for i in range(dc.num_layers):
-        ctx = mean_len / 2 if i in dc.full_attention_layers else min(dc.sliding_window, mean_len / 2)
-        attn += 4 * s["heads"] * s["hd"] * (ctx + dc.block_size) * queries
-    head = 2 * s["d"] * s["vocab"] * queries
-    return 3 * (fc + dense + attn + head)
+def drafter_flops(config: RunConfig, shapes: FlopShapes, event: dict[str, Any]) -> float:
+    """Forward + backward FLOPs of the drafter step of one ``step`` event: the context at the
+    padded length (fc and K/V run on it), the anchors per row the trainer draws for it, their
+    expected spans at the mean real length, the labelled positions as the event counts them."""
+    rows, padded = max(int(event["sequences"]), 1), int(event["padded_length"])
+    d = shapes.drafter
+    stats = AnchorStats.expected(
+        rows, event["tokens"] / rows, anchors_per_row(config, padded), d.block_size, d.windows
+    )
+    if "labelled" in event:
+        stats = replace(stats, labelled=float(event["labelled"]))
+    return drafter_step_flops(d, padded, stats)["total"]
 
 
 def run_plan(args: argparse.Namespace, env: dict[str, str], overrides: list[str]) -> dict[str, Any]:
@@ -180,10 +170,12 @@ def summarize(
     warmup: int,
     peak: float,
     compiled: bool = True,
+    spec_peak: float | None = H200_BF16_DENSE_PEAK,
 ) -> dict[str, Any]:
+    """Tokens/s, idle and MFU per role over the steady steps. ``peak``: the measured matmul
+    FLOP/s; ``spec_peak``: the device's spec sheet figure (None: no spec MFU, e.g. on a CPU)."""
     n, m = (int(x) for x in topology.split("+"))
-    s = shape(config)
-    ts = target_shape(config)
+    counts = flop_shapes(config)
     steps = [e for e in events if e["event"] == "step" and e["role"] == "drafter"]
     # Steady state: after --warmup-steps AND, when compiled, after every padded shape (bucket)
     # has been trained once (each new shape compiles on the drafter).
@@ -197,8 +189,8 @@ def summarize(
     t1 = max(e["ts"] for e in warm)
     seconds = max(t1 - t0, 1e-9)
     tokens = sum(e["tokens"] for e in warm)
-    t_flops = sum(target_flops(ts, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
-    d_flops = sum(drafter_flops(config, s, e["tokens"], e["sequences"], e["padded_length"]) for e in warm)
+    t_flops = sum(target_flops(counts, e) for e in warm)
+    d_flops = sum(drafter_flops(config, counts, e) for e in warm)
     roles: dict[str, Any] = {}
     for role, ranks, flops in (("target", n, t_flops), ("drafter", m, d_flops)):
         windows = steady_windows(events, role, t0, t1)
@@ -207,6 +199,7 @@ def summarize(
         wait_s = sum(e["wait_s"] for e in windows)
         busy = busy_s / window_s if window_s else None  # windows of all ranks of the role
         mfu = flops / ranks / seconds / peak
+        mfu_spec = flops / ranks / seconds / spec_peak if spec_peak else None
         window_tokens = sum(e["tokens_per_s"] * e["window_s"] for e in windows)
         roles[role] = {
             "ranks": ranks,
@@ -216,7 +209,10 @@ def summarize(
             "busy_fraction": busy,
             "mfu": mfu,
             "mfu_busy": mfu / busy if busy else None,
+            "mfu_spec": mfu_spec,
+            "mfu_spec_busy": mfu_spec / busy if busy and mfu_spec is not None else None,
             "tflops_per_rank": flops / ranks / seconds / 1e12,
+            "tflop_per_batch": flops / len(warm) / 1e12,
         }
     step_times: list[float] = []
     for rank in {e["rank"] for e in warm}:
@@ -228,6 +224,13 @@ def summarize(
         "measured_tokens_per_s": tokens / seconds,
         "measured_steps": len(warm) // max(m, 1),
         "median_step_s": statistics.median(step_times) if step_times else None,
+        "spec_peak_tflops": spec_peak / 1e12 if spec_peak else None,
+        # what each checkpoint cost the pipeline (blocking_s) and the whole write (total_s)
+        "checkpoints": [
+            {"step": e["step"], "blocking_s": e.get("blocking_s"), "total_s": e.get("total_s", e["seconds"])}
+            for e in events
+            if e["event"] == "checkpoint"
+        ],
         "roles": roles,
     }
 
@@ -253,12 +256,20 @@ def append_results(summary: dict[str, Any], argv: list[str]) -> None:
         f"(after {summary['warmup_steps_used']} warm-up steps, {summary['shapes']} shapes); "
         f"plan predicted {summary['predicted_tokens_per_s']:,.0f} tok/s "
         f"(error {pct(summary['prediction_error'])}; plan's best split {summary['plan_best']})",
-        f"- peak matmul {summary['peak_matmul_tflops']:.2f} TFLOP/s (measured)",
+        f"- peak: bf16 8192^3 matmul measured here {summary['peak_matmul_tflops']:.2f} TFLOP/s; "
+        f"spec {summary['spec_peak_tflops'] or 0:.0f} TFLOP/s (H200 dense bf16; n/a on a CPU); "
+        "FLOPs: training/model/flops.py",
     ]
+    for c in summary["checkpoints"]:
+        blocking = "n/a" if c["blocking_s"] is None else f"{c['blocking_s']:.2f} s"
+        written = f"{c['total_s']:.2f} s"
+        lines.append(f"- checkpoint step {c['step']}: training blocked {blocking}, written in {written}")
     for role, r in roles.items():
         lines.append(
-            f"- {role} x{r['ranks']}: MFU {pct(r['mfu'])} (while busy {pct(r['mfu_busy'])}), "
-            f"idle {pct(r['idle_fraction'])}, {r['tflops_per_rank']:.3f} TFLOP/s per rank"
+            f"- {role} x{r['ranks']}: MFU {pct(r['mfu'])} of the measured peak (while busy "
+            f"{pct(r['mfu_busy'])}), {pct(r['mfu_spec'])} of the spec "
+            f"(while busy {pct(r['mfu_spec_busy'])}), idle {pct(r['idle_fraction'])}, "
+            f"{r['tflops_per_rank']:.3f} TFLOP/s per rank, {r['tflop_per_batch']:.2f} TFLOP per batch"
         )
     path = REPO / "benchmarks" / "RESULTS.md"
     with open(path, "a", encoding="utf-8") as handle:
@@ -287,12 +298,25 @@ def main() -> int:
         help="only re-read RUN_DIR/events.jsonl of an earlier job (needs --peak-tflops); print the roles",
     )
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="with --summarize: the measured peak")
+    parser.add_argument(
+        "--spec-tflops",
+        type=float,
+        default=H200_BF16_DENSE_PEAK / 1e12,
+        help="the device's spec peak for mfu_spec (default: H200 dense bf16, 989; 0 = none)",
+    )
     args, overrides = parser.parse_known_args()
     overrides = list(overrides)
     if args.summarize:
         config = load_config(args.config, overrides)
         events = read_events(Path(args.summarize) / "events.jsonl")
-        result = summarize(events, config, args.topology, args.warmup_steps, args.peak_tflops * 1e12)
+        result = summarize(
+            events,
+            config,
+            args.topology,
+            args.warmup_steps,
+            args.peak_tflops * 1e12,
+            spec_peak=args.spec_tflops * 1e12 or None,
+        )
         print(json.dumps(result), flush=True)
         return 0
     if args.device == "cpu":
@@ -311,7 +335,8 @@ def main() -> int:
     mode = config.compile.enabled
     compiled = mode == "on" or (mode == "auto" and args.device == "cuda")
     events = read_events(run_dir / "events.jsonl")
-    result = summarize(events, config, args.topology, args.warmup_steps, peak, compiled)
+    spec = args.spec_tflops * 1e12 if args.device == "cuda" else 0.0
+    result = summarize(events, config, args.topology, args.warmup_steps, peak, compiled, spec or None)
     measured = result["measured_tokens_per_s"]
     summary = {
         "bench": "topology",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
-# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor and the
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile and the
 # hybrid steps). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
 # steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
@@ -57,6 +57,13 @@ topology() {  # 1+1 on two GPUs; the drafter reuses compile()'s cache when it is
         --topology 1+1 --steps 40 --warmup-steps 5 --run-dir "$OUT/topology-run" \
         --data.num_buckets=1 --data.corpus_files=300 --append-results | tail -1 | tee "$OUT/topology.json"
     rm -rf "$OUT/topology-run/checkpoints" "$OUT/topology-run/data-cache"
+}
+profile() {  # torch.profiler top-20 kernels per role (target forward, drafter step), the 1+1 shape, one GPU
+    # ~2 min on compile()'s warm cache; a cold one adds the drafter's compile (~4 min)
+    [ -d /tmp/cb/cold ] && export FLEET_COMPILE_CACHE=/tmp/cb/cold FLEET_TRAINING_CACHE=/tmp/cb/training-cache
+    timeout -k 20 "${PROFILE_LIMIT_S:-420}" python3 benchmarks/profile_roles.py --config qwen3-8b-h200 \
+        --warmup 3 --steps 3 --out "$OUT/profile" --data.num_buckets=1 --data.corpus_files=300 \
+        | tail -1 | tee "$OUT/profile.json"
 }
 doctor() {  # fab doctor --bandwidth on a local target of every GPU here; 2+ GPUs: topology 1+1 (run it by name)
     local n; n=$(nvidia-smi -L | grep -c '^GPU')

@@ -141,16 +141,25 @@ def build_block_mask(
 ) -> BlockMask:
     """The flex ``BlockMask`` for ``anchors`` [B, K] (-1 padded); compiled off-CPU.
 
-    ``tile`` is flex's BLOCK_SIZE (the sparsity granularity), not the DFlash block size.
+    ``tile`` is flex's BLOCK_SIZE (the sparsity granularity), not the DFlash block size. The mask
+    depends on the anchors, so it is built every step; what is kept is the compiled builder (one
+    ``torch.compile(create_block_mask)`` per process, whose graphs Dynamo caches per shape), not a
+    new wrapper per call as ``create_block_mask(_compile=True)`` makes (and warns about).
     """
     bsz, k = anchors.shape
     q_len = k * block_size
     kv_len = int(context_len) + q_len
     mask_mod = make_mask_mod(anchors, context_len, block_size, window)
-    compiled = _use_compiled(anchors.device)
-    return create_block_mask(
-        mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile, _compile=compiled
-    )
+    build = _compiled_block_mask() if _use_compiled(anchors.device) else create_block_mask
+    return build(mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile)
+
+
+def _compiled_block_mask() -> Callable[..., Any]:
+    fn = _COMPILED.get("block_mask")
+    if fn is None:
+        fn = torch.compile(create_block_mask)  # as create_block_mask(_compile=True) compiles it
+        _COMPILED["block_mask"] = fn
+    return fn
 
 
 def _compiled_flex() -> Callable[..., Any]:

@@ -18,11 +18,42 @@ with H hidden, I MLP width, Kd = key heads * dk, Vd = value heads * dv. ``layers
 layers from the bottom that a forward runs (``target_forward`` stops after the deepest chosen
 layer); the lm_head is not part of it. tests/training/model/test_flops.py checks every term
 against FlopCounterMode on a small hybrid config.
+
+The drafter's training step (``drafter_step_flops``): forward + backward of
+``training.model.drafter.DFlashDrafter`` on one batch of ``rows`` rows padded to ``T``, with
+``K`` anchors per row (the width; padded anchors' blocks run too) and block size ``bs``, so
+``Q = rows * K * bs`` query tokens. A trained matmul costs 3x its forward (forward, input
+gradient, weight gradient); what the drafter does not need is left out:
+
+    fc                  2 * (2 * rows*T * nH * H): its input (the target's hidden states) needs no
+                        gradient, so forward + weight gradient only
+    q, o projections    3 * 2 * Q * H * heads*hd each, on the block tokens
+    k, v projections    3 * 2 * (rows*T + Q) * H * kv_heads*hd each: every layer projects the whole
+                        context (T tokens per row) and the block tokens
+    mlp                 3 * 2 * Q * 3 * H * I
+    attention           3 * 4 * heads*hd * (bs * sum over anchors of visible context keys + Q * bs):
+                        the visible (query, key) pairs only. A sliding layer's anchor ``a`` sees
+                        min(a, W) context keys, a full layer's ``a`` (the context strictly before
+                        it, training/model/attention.py), a padded anchor none; every query sees
+                        its own block (bs keys). Backward = 2x forward (dQ, dK, dV, dP), as
+                        FlopCounterMode counts attention
+    lm_head             2 * (2 * H * V) per *labelled* block position: the head is frozen, so its
+                        backward is the input gradient only, and it runs on the labelled positions
+                        only (offset 0 and positions past the row's end or without loss are dropped
+                        before it, training/model/loss.py)
+
+Not counted (not useful work): the loss chunks' checkpoint recompute of the lm_head (one more
+forward), the masked-out pairs flex still computes inside partly visible tiles, norms, rotary,
+softmax, cross-entropy and the optimizer. ``AnchorStats`` carries what the anchors decide
+(visible context keys per window, labelled positions): exactly from a batch's tensors
+(``AnchorStats.from_tensors``) or as the expectation of ``sample_anchors``' uniform draw
+(``AnchorStats.expected``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,4 +149,133 @@ def forward_flops(
     return terms
 
 
-__all__ = ["CHUNK", "TargetShape", "delta_rule_flops", "forward_flops"]
+# ------------------------------------------------------------------ the drafter step
+@dataclass(frozen=True)
+class DrafterShape:
+    """The dimensions the drafter step's FLOPs depend on (the drafter runs at the target's
+    hidden size and head layout; ``windows``: one per layer, None = full attention)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    target_layers: int  # n: the fused target layers (fc input = n * hidden)
+    block_size: int
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_configs(cls, target_config: Any, drafter: Any, target_layers: int) -> DrafterShape:
+        """From a transformers config and anything with the drafter's ``num_layers``,
+        ``block_size``, ``sliding_window`` and ``full_attention_layers`` (DrafterConfig or the run
+        config's [drafter] section); ``target_layers``: how many target layers it fuses."""
+        t = TargetShape.from_config(target_config)
+        full = set(drafter.full_attention_layers)
+        windows = tuple(None if i in full else int(drafter.sliding_window) for i in range(drafter.num_layers))
+        return cls(
+            hidden=t.hidden,
+            heads=t.heads,
+            kv_heads=t.kv_heads,
+            head_dim=t.head_dim,
+            intermediate=t.intermediate,
+            vocab=t.vocab,
+            target_layers=int(target_layers),
+            block_size=int(drafter.block_size),
+            windows=windows,
+        )
+
+
+def _visible(anchor: float, window: int | None) -> float:
+    return anchor if window is None else min(anchor, window)
+
+
+@dataclass(frozen=True)
+class AnchorStats:
+    """What a batch's anchors decide for the drafter step's FLOPs.
+
+    ``context_keys[w]``: the visible context keys summed over the batch's anchors under window
+    ``w`` (None = full); ``labelled``: block positions with a label (the lm_head's rows)."""
+
+    rows: int
+    per_row: int  # K, the anchors tensor's width (padded anchors included: their blocks run)
+    context_keys: Mapping[int | None, float]
+    labelled: float
+
+    @classmethod
+    def from_tensors(cls, anchors: Any, label_mask: Any, windows: Iterable[int | None]) -> AnchorStats:
+        """Exact, from a batch's anchors [rows, K] (-1 padded) and its block label mask
+        [rows, K*bs] (``training.model.drafter.block_labels``; offset 0 is never labelled)."""
+        rows, per_row = (int(n) for n in anchors.shape)
+        real = [int(a) for a in anchors.reshape(-1).tolist() if int(a) >= 0]
+        keys = {w: float(sum(_visible(a, w) for a in real)) for w in set(windows)}
+        return cls(rows, per_row, keys, float(label_mask.sum()))
+
+    @classmethod
+    def expected(
+        cls, rows: int, length: float, per_row: int, block_size: int, windows: Iterable[int | None]
+    ) -> AnchorStats:
+        """The expectation under ``sample_anchors`` for rows of ``length`` real tokens whose every
+        token has loss: each row draws min(K, length - 1) distinct anchors uniformly from the
+        eligible positions 0 .. length-2; anchor ``a`` has min(bs - 1, length - 1 - a) labels.
+        A fractional ``length`` (a batch's mean) is rounded down."""
+        n = max(int(length) - 1, 0)  # eligible positions: a + 1 < length
+        real = min(int(per_row), n)
+        c = block_size - 1
+
+        def mean_visible(w: int | None) -> float:
+            if n == 0:
+                return 0.0
+            if w is None or w >= n - 1:
+                return (n - 1) / 2
+            return (w * (w - 1) / 2 + (n - w) * w) / n
+
+        labels = (n * (n + 1) / 2 if n <= c else c * (c + 1) / 2 + (n - c) * c) / n if n else 0.0
+        keys = {w: rows * real * mean_visible(w) for w in set(windows)}
+        return cls(int(rows), int(per_row), keys, rows * real * labels)
+
+
+def drafter_step_flops(
+    shape: DrafterShape, context_len: int, anchors: AnchorStats, *, dense_attention: bool = False
+) -> dict[str, float]:
+    """FLOPs of one drafter training step (forward + backward), by term, plus ``total`` and
+    ``forward`` (the forward's share of ``total``). ``context_len``: T, the padded length the
+    context runs at. ``dense_attention``: count every (query, key) pair of the [Q x (T + K*bs)]
+    square instead of the visible ones (what a dense masked attention computes; for tests)."""
+    h, bs = shape.hidden, shape.block_size
+    rows, queries = anchors.rows, anchors.rows * anchors.per_row * bs
+    context = rows * int(context_len)
+    q_out, kv_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layers = len(shape.windows)
+    if dense_attention:
+        pairs = layers * queries * (int(context_len) + anchors.per_row * bs)
+    else:
+        pairs = sum(bs * anchors.context_keys[w] + queries * bs for w in shape.windows)
+    forward = {
+        "fc": 2.0 * context * shape.target_layers * h * h,
+        "attention_projections": layers
+        * 2.0
+        * (2 * queries * h * q_out + 2 * (context + queries) * h * kv_out),
+        "mlp": layers * 2.0 * queries * 3 * h * shape.intermediate,
+        "attention_scores": 4.0 * shape.heads * shape.head_dim * pairs,
+        "lm_head": 2.0 * h * shape.vocab * anchors.labelled,
+    }
+    passes = {"fc": 2, "attention_projections": 3, "mlp": 3, "attention_scores": 3, "lm_head": 2}
+    terms = {name: passes[name] * value for name, value in forward.items()}
+    terms["total"] = sum(terms.values())
+    terms["forward"] = sum(forward.values())
+    return terms
+
+
+H200_BF16_DENSE_PEAK = 989e12  # NVIDIA's H200 SXM spec sheet: 989 TFLOP/s bf16 dense (1979 with sparsity)
+
+__all__ = [
+    "CHUNK",
+    "H200_BF16_DENSE_PEAK",
+    "AnchorStats",
+    "DrafterShape",
+    "TargetShape",
+    "delta_rule_flops",
+    "drafter_step_flops",
+    "forward_flops",
+]

@@ -6,14 +6,25 @@ weights (not the shared frozen embedding / lm_head), optimizer and scheduler sta
 position of the next batch, the RNG states and the step. It is written to a temp file in the
 same folder, fsync'd, renamed into place and the folder fsync'd: a ``kill -9`` at any moment
 leaves either the previous checkpoints or the new one, never a torn file under the final name.
+
+``CheckpointWriter`` does the same write in a background thread, so training does not stop for
+it: ``save`` only copies the state to host memory (GPU tensors into pinned buffers kept for the
+next save, CPU tensors cloned, the rest deep-copied, the RNG states taken now) and returns; a
+thread writes that copy as above. One write at a time: the next ``save`` first waits for the
+previous one (that wait counts as blocking). ``poll`` / ``wait`` hand back the finished
+``SavedCheckpoint``s (with ``blocking_s``, the time training stood still, and ``total_s``) and
+re-raise a write's error. A process killed mid-write leaves the previous checkpoints and a temp
+file (``remove_stale_temps``), as the synchronous path does.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +41,12 @@ _NAME = re.compile(r"^step-(\d{8})\.pt$")
 class SavedCheckpoint:
     step: int
     path: Path
-    seconds: float
+    seconds: float  # from the save's start until the file is in place (= total_s)
+    blocking_s: float | None = None  # of which training stood still (None: all of it, a synchronous save)
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -107,16 +123,16 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> SavedCheckpoint:
-    """Write ``state`` as the checkpoint of ``step`` atomically; then keep only the last ``keep``."""
-    started = time.monotonic()
+def _write_file(run_dir: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """The atomic write of a complete checkpoint payload (tmp, fsync, rename, fsync the folder);
+    then keep only the last ``keep``."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as handle:
-            torch.save({**state, "step": step, "rng": rng_state()}, handle)
+            torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
     except OSError:
@@ -126,7 +142,105 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     _fsync_dir(folder)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
-    return SavedCheckpoint(step=step, path=final.resolve(), seconds=time.monotonic() - started)
+    return final.resolve()
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> SavedCheckpoint:
+    """Write ``state`` as the checkpoint of ``step`` atomically; then keep only the last ``keep``."""
+    started = time.monotonic()
+    path = _write_file(run_dir, step, {**state, "step": step, "rng": rng_state()}, keep)
+    return SavedCheckpoint(step=step, path=path, seconds=time.monotonic() - started)
+
+
+class CheckpointWriter:
+    """Checkpoints of one run dir written in a background thread (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}  # pinned host copies, reused
+        self._thread: threading.Thread | None = None
+        self._done: list[SavedCheckpoint] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Snapshot ``state`` (plus the step and the RNG states) and start writing it; returns
+        the seconds this call blocked. The caller may change its tensors as soon as it returns."""
+        started = time.monotonic()
+        self._join()  # its buffers are about to be reused
+        self._raise()
+        devices: set[torch.device] = set()
+        payload = self._snapshot({**state, "step": step, "rng": rng_state()}, (), devices)
+        for device in devices:
+            torch.cuda.synchronize(device)  # the non-blocking copies into pinned memory are done
+        blocking = time.monotonic() - started
+        self._thread = threading.Thread(
+            target=self._write, args=(step, payload, started, blocking), name=f"checkpoint-{step}"
+        )
+        self._thread.start()
+        return blocking
+
+    def poll(self) -> list[SavedCheckpoint]:
+        """The saves finished since the last call (oldest first); a failed write raises here."""
+        self._raise()
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SavedCheckpoint]:
+        """Wait for the write in flight, then ``poll``."""
+        self._join()
+        return self.poll()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _raise(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, step: int, payload: dict[str, Any], started: float, blocking: float) -> None:
+        try:
+            path = _write_file(self.run_dir, step, payload, self.keep)
+        except BaseException as exc:  # handed to the training thread by poll / wait / save
+            with self._lock:
+                self._error = exc
+            return
+        saved = SavedCheckpoint(step, path, time.monotonic() - started, blocking)
+        with self._lock:
+            self._done.append(saved)
+
+    def _snapshot(self, obj: Any, key: tuple[Any, ...], devices: set[torch.device]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._copy(obj.detach(), key, devices)
+        if isinstance(obj, dict):
+            out = type(obj)((k, self._snapshot(v, (*key, k), devices)) for k, v in obj.items())
+            if hasattr(obj, "_metadata"):  # a module state_dict's version info (load_state_dict reads it)
+                out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+            return out
+        if isinstance(obj, list | tuple) and type(obj) in (list, tuple):
+            return type(obj)(self._snapshot(v, (*key, i), devices) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _copy(self, tensor: torch.Tensor, key: tuple[Any, ...], devices: set[torch.device]) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor.clone()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor, non_blocking=True)
+        devices.add(tensor.device)
+        return buffer
 
 
 def remove_stale_temps(run_dir: Path) -> int:

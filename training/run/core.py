@@ -11,6 +11,7 @@ warm-up) reuse:
     batch_anchors                     a batch's anchors, drawn from (seed, data position) only
     train_forward, drafter_step       forward under the device's autocast; one optimizer step
     checkpoint_state, write_checkpoint, resume   what a checkpoint holds, written and read back
+    report_checkpoints                the ``checkpoint`` events of background writes that finished
     report_step                       the ``step`` event (training/EVENTS.md), metrics, the human line
     compiles                          whether a run compiles on a device (compile.enabled)
     load_train_data                   the tokenized data and its cache folder
@@ -46,6 +47,7 @@ from training.model.kernels import (
 )
 from training.model.target import check_vocab, describe_layers, layer_types, load_model, text_config
 from training.run.checkpoint import (
+    CheckpointWriter,
     SavedCheckpoint,
     load_latest,
     remove_stale_temps,
@@ -108,16 +110,26 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
     return factor
 
 
+def fused_adamw(params: list[nn.Parameter]) -> bool:
+    """Whether AdamW runs fused (one kernel for every parameter's update instead of a few
+    per tensor): when every parameter is on a CUDA device. The CPU keeps the default
+    (foreach) implementation, so CPU runs and their tests are unchanged."""
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
 def build_optimizer(
     config: RunConfig, drafter: nn.Module
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the drafter's trainable weights and its warmup + cosine schedule ([train])."""
+    """AdamW over the drafter's trainable weights (fused on a GPU: ``fused_adamw``) and its
+    warmup + cosine schedule ([train])."""
     train = config.train
+    params = trainable_parameters(drafter)
     optimizer = torch.optim.AdamW(
-        trainable_parameters(drafter),
+        params,
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         weight_decay=train.weight_decay,
+        fused=fused_adamw(params) or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(train.warmup_steps, train.steps, train.min_lr_ratio)
@@ -238,7 +250,8 @@ def report_step(
         "grad_norm": result.grad_norm,
         "mem_gib": mem,
     }
-    events.emit("step", **metrics, **extra)
+    # labelled: the block positions the loss (and the lm_head) ran on; for the FLOP count
+    events.emit("step", **metrics, labelled=result.num_tokens, **extra)
     if logger is not None:
         logger.log({f"train/{k}": v for k, v in metrics.items() if k != "acc"}, step)
     echo(
@@ -281,14 +294,49 @@ def checkpoint_state(
 
 
 def write_checkpoint(
-    run_dir: Path, step: int, state: dict[str, Any], keep: int, events: EventWriter, echo: Echo
-) -> SavedCheckpoint:
-    """``phase: checkpoint``, the atomic write (last ``keep`` kept), the ``checkpoint`` event."""
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    events: EventWriter,
+    echo: Echo,
+    writer: CheckpointWriter | None = None,
+) -> SavedCheckpoint | None:
+    """``phase: checkpoint`` and the atomic write (last ``keep`` kept). Without ``writer``: the
+    write itself, then the ``checkpoint`` event; returns it. With one: the host copy only, the
+    write goes on in the background (its event comes from ``report_checkpoints``); None."""
     events.phase("checkpoint")
+    if writer is not None:
+        writer.save(step, state)
+        return None
     saved = save_checkpoint(run_dir, step, state, keep)
-    events.emit("checkpoint", step=saved.step, path=str(saved.path), seconds=saved.seconds)
-    echo(f"checkpoint step {saved.step} -> {saved.path} ({saved.seconds:.2f}s)")
+    _checkpoint_event(saved, events, echo)
     return saved
+
+
+def report_checkpoints(
+    writer: CheckpointWriter, events: EventWriter, echo: Echo, *, wait: bool = False
+) -> None:
+    """The ``checkpoint`` event of each background write finished since the last call (``wait``:
+    first wait for the one in flight); a failed write raises here, in the training thread."""
+    for saved in writer.wait() if wait else writer.poll():
+        _checkpoint_event(saved, events, echo)
+
+
+def _checkpoint_event(saved: SavedCheckpoint, events: EventWriter, echo: Echo) -> None:
+    blocking = saved.total_s if saved.blocking_s is None else saved.blocking_s
+    events.emit(
+        "checkpoint",
+        step=saved.step,
+        path=str(saved.path),
+        seconds=saved.total_s,
+        blocking_s=blocking,
+        total_s=saved.total_s,
+    )
+    echo(
+        f"checkpoint step {saved.step} -> {saved.path} ({saved.total_s:.2f}s, "
+        f"training blocked {blocking:.2f}s)"
+    )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
 from training.model.target import load_tokenizer, model_source, num_layers, target_forward
 from training.run import core
-from training.run.checkpoint import check_resumable, list_checkpoints
+from training.run.checkpoint import CheckpointWriter, check_resumable, list_checkpoints
 from training.run.pipeline import (
     CREDIT,
     KIND_END,
@@ -268,6 +268,8 @@ class DrafterWorker(Worker):
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         self.optimizer, self.scheduler = core.build_optimizer(cfg, drafter)
+        # drafter 0 writes checkpoints in the background: the pipeline goes on meanwhile
+        self.checkpoints = CheckpointWriter(self.run_dir, cfg.checkpoint.keep)
         self.compile_reporter: CounterReporter | None = None
         if core.compiles(cfg, ctx.device):
             self.events.phase("compile")
@@ -408,6 +410,7 @@ class DrafterWorker(Worker):
             if self.step % cfg.train.log_every == 0 or self.step in (1, cfg.train.steps):
                 self._log_step(result, item, tokens / max(now - last, 1e-9))
             last = now
+            core.report_checkpoints(self.checkpoints, self.events, _say)
             self.balance.maybe_emit()
             if self._vote_stop():
                 stopped = True
@@ -418,8 +421,9 @@ class DrafterWorker(Worker):
             if ticket is None and self.step < cfg.train.steps:
                 ticket = self.acquire(block=True)
         self.checkpoint()
-        self._finish(STOP_SIGNAL if stopped else STOP_DONE, ticket)
+        self._finish(STOP_SIGNAL if stopped else STOP_DONE, ticket)  # the targets stop while it is written
         self.balance.maybe_emit(force=True)
+        core.report_checkpoints(self.checkpoints, self.events, _say, wait=True)
         if stopped:
             self.events.phase("stopped")
             self._lead(f"stopped at step {self.step} (checkpointed)")
@@ -481,7 +485,9 @@ class DrafterWorker(Worker):
             global_batches=self.step * self.ctx.topology.drafters,
             topology=str(self.ctx.topology),
         )
-        core.write_checkpoint(self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, _say)
+        core.write_checkpoint(
+            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, _say, self.checkpoints
+        )
 
 
 def _check_pipeline(config: RunConfig) -> None:

@@ -13,6 +13,7 @@ step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import time
@@ -29,7 +30,7 @@ from training.data.dataset import Batch
 from training.events import EventWriter, print0
 from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
 from training.run import core
-from training.run.checkpoint import check_resumable
+from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
 
@@ -49,6 +50,8 @@ class Trainer:
         self._stop_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self.eval_only = eval_only
+        # checkpoints written in the background: training goes on while one is written
+        self.checkpoints = CheckpointWriter(self.run_dir, config.checkpoint.keep)
         core.set_threads(config)
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
@@ -191,8 +194,12 @@ class Trainer:
             config=self.config,
         )
         core.write_checkpoint(
-            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0
+            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0, self.checkpoints
         )
+
+    def report_checkpoints(self, *, wait: bool = False) -> None:
+        """The ``checkpoint`` events of the background writes that finished (``wait``: all)."""
+        core.report_checkpoints(self.checkpoints, self.events, print0, wait=wait)
 
     def evaluate(self) -> None:
         cfg = self.config.eval
@@ -259,6 +266,7 @@ class Trainer:
                 self.last_tau = result.tau
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
+                self.report_checkpoints()
                 if self._stop_signal is not None:
                     return self._stop(last_saved)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
@@ -271,7 +279,8 @@ class Trainer:
             if last_saved != self.step:
                 self.checkpoint()
             if cfg.eval.num_prompts > 0:
-                self.evaluate()
+                self.evaluate()  # while the final checkpoint is written
+            self.report_checkpoints(wait=True)
             self.events.phase("done")
             self.events.emit("done", steps=self.step, seconds=time.monotonic() - self.started)
             print0(f"done: {self.step} steps in {time.monotonic() - self.started:.1f}s")
@@ -283,11 +292,16 @@ class Trainer:
         """A stop signal came: checkpoint unless this step is saved, ``phase: stopped``."""
         if last_saved != self.step:
             self.checkpoint()
+        self.report_checkpoints(wait=True)
         self.events.phase("stopped")
         print0(f"stopped at step {self.step} (checkpointed)")
         return self.step
 
     def close(self) -> None:
+        # a write in flight completes even when training failed; a failed write has raised in
+        # train() already, and on an error path the training error is the one to report
+        with contextlib.suppress(Exception):
+            self.checkpoints.wait()
         self._restore_signals()
         self.logger.finish()
         self.events.close()

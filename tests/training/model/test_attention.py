@@ -213,3 +213,28 @@ def test_compiled_flex_on_cpu_matches_reference_without_recompiling_for_new_anch
     finally:
         A.set_cpu_compile(False)
         torch._dynamo.reset()
+
+
+def test_compiled_block_mask_builder_is_made_once_and_builds_what_eager_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled path wraps create_block_mask in torch.compile once per process (not a new
+    wrapper each step); here torch.compile is a counting pass-through (the compile itself is
+    covered by the test above), so the masks must be the eager ones, for new anchors each call."""
+    made: list[object] = []
+
+    def passthrough(fn, *args, **kwargs):
+        made.append(fn)
+        return fn
+
+    monkeypatch.setattr(A, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", passthrough)
+    A.set_cpu_compile(True)
+    try:
+        compiled = [A.build_block_mask(a, T, bs, w, tile=16) for a, T, bs, w in _cases(7, 4)]
+    finally:
+        A.set_cpu_compile(False)
+    assert made == [A.create_block_mask]
+    for bm, (anchors, T, bs, window) in zip(compiled, _cases(7, 4), strict=True):
+        eager = A.build_block_mask(anchors, T, bs, window, tile=16)
+        assert torch.equal(bm.to_dense(), eager.to_dense())
