@@ -43,7 +43,7 @@ from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
 from training.model.flops import TargetShape, forward_flops  # noqa: E402
 from training.model.tinymodel import target_text_config  # noqa: E402
-from training.run.core import anchors_per_row, drafter_config  # noqa: E402
+from training.run.core import drafter_config  # noqa: E402
 
 
 def peak_matmul_flops(device: str, size: int, iters: int) -> float:
@@ -122,7 +122,7 @@ def drafter_flops(config: RunConfig, s: dict[str, int], tokens: int, sequences: 
     dc = config.drafter
     n_layers_in = dc.num_target_layers if not dc.target_layer_ids else len(dc.target_layer_ids)
     mean_len = tokens / max(sequences, 1)
-    queries = sequences * anchors_per_row(config, padded) * dc.block_size
+    queries = sequences * min(dc.num_anchors, max(padded - 1, 1)) * dc.block_size
     fc = 2 * n_layers_in * s["d"] * s["d"] * sequences * padded
     dense = 2 * layer_params(s) * dc.num_layers * queries
     attn = 0.0

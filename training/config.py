@@ -85,13 +85,16 @@ class DrafterSection:
 
     num_layers: int = 5
     block_size: int = 16
-    num_anchors: int = 512  # per max_length sequence; a bucket padded to T: ceil(512 * T / max_length)
+    num_anchors: int = 512  # per sequence, in every bucket (rows per micro-batch: data.max_batch_size)
     sliding_window: int = 2048
     full_attention_layers: tuple[int, ...] = (4,)  # the others slide over sliding_window
     gamma: float = 7.0
     loss_chunk_size: int = 2048
     target_layer_ids: tuple[int, ...] = ()  # () = DFlash's rule: 5 layers spread over the depth
     num_target_layers: int = 5
+    # The reserved token whose frozen target embedding is MASK (-1 = the target config's
+    # mask_token_id, else the tokenizer's mask token, else the first embedding row past the tokenizer).
+    mask_token_id: int = -1
 
 
 @dataclass(frozen=True)

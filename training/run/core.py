@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,13 @@ from training.data.buckets import Position, format_bucket_table
 from training.data.corpus import default_cache_dir
 from training.data.dataset import TrainData, load_tokenized
 from training.events import EventWriter
-from training.model.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
+from training.model.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftOutput,
+    resolve_mask_token_id,
+    sample_anchors,
+)
 from training.model.kernels import (
     TargetKernels,
     autotune_results,
@@ -63,24 +69,27 @@ def drafter_config(config: RunConfig) -> DrafterConfig:
     """``DrafterConfig`` from the run config's [drafter] section (matching field names)."""
     known = {f.name for f in fields(DrafterConfig)}
     values = {f.name: getattr(config.drafter, f.name) for f in fields(config.drafter) if f.name in known}
-    values["anchor_length"] = config.data.max_length  # num_anchors is per max_length sequence
     try:
         return DrafterConfig(**values)
     except ValueError as exc:  # DrafterConfig's own checks name the key
         raise ConfigError(f"config key {exc}") from None
 
 
-def anchors_per_row(config: RunConfig, padded_length: int) -> int:
-    """``drafter.num_anchors`` scaled to a batch padded to ``padded_length`` (DrafterConfig.anchors_for)."""
-    return drafter_config(config).anchors_for(padded_length)
+def mask_token_id(config: RunConfig, tokenizer: Any, target_config: Any) -> int:
+    """The run's MASK token id (``drafter.resolve_mask_token_id``); a bad one is a ConfigError."""
+    try:
+        return resolve_mask_token_id(config.drafter.mask_token_id, tokenizer, target_config)
+    except ValueError as exc:
+        raise ConfigError(f"config key {exc}") from None
 
 
-def build_drafter(config: RunConfig, target: nn.Module, device: torch.device) -> DFlashDrafter:
+def build_drafter(
+    config: RunConfig, target: nn.Module, device: torch.device, tokenizer: Any
+) -> DFlashDrafter:
     """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed)."""
+    cfg = replace(drafter_config(config), mask_token_id=mask_token_id(config, tokenizer, target.config))
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(
-        drafter_config(config), target.config, target.get_input_embeddings(), target.get_output_embeddings()
-    )
+    drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
     return drafter.to(device)
 
 
@@ -147,11 +156,7 @@ def batch_anchors(
     """The anchors of the batch taken at ``position`` (on ``loss_mask``'s device): the same
     anchors on every driver and after a resume, since they depend on the position only."""
     return sample_anchors(
-        loss_mask,
-        lengths,
-        anchors_per_row(config, loss_mask.shape[1]),
-        config.drafter.block_size,
-        anchor_generator(config.train.seed, position),
+        loss_mask, lengths, config.drafter.num_anchors, anchor_generator(config.train.seed, position)
     )
 
 

@@ -262,7 +262,7 @@ class DrafterWorker(Worker):
         folder, self.tokenizer, data = self.prepare_shared()
         target, _ = core.load_run_target(cfg, folder, self.tokenizer, None)  # only embedding and lm_head kept
         self.events.phase("load_drafter")
-        drafter = core.build_drafter(cfg, target, ctx.device)
+        drafter = core.build_drafter(cfg, target, ctx.device, self.tokenizer)
         del target
         gc.collect()
         if ctx.device.type == "cuda":

@@ -91,7 +91,7 @@ class Trainer:
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
 
         self._phase("load_drafter")
-        self.drafter = core.build_drafter(cfg, self.target, self.device)
+        self.drafter = core.build_drafter(cfg, self.target, self.device, self.tokenizer)
         self.layer_ids = list(self.drafter.target_layer_ids)
         count = sum(p.numel() for p in core.trainable_parameters(self.drafter))
         print0(

@@ -37,7 +37,9 @@ class ChainDrafter(DFlashDrafter):
     """Proposes the target's own greedy chain for the first ``right`` offsets, then a wrong token."""
 
     def __init__(self, target: Qwen3ForCausalLM, next_of: Tensor, right: int) -> None:
-        cfg = DrafterConfig(num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2)
+        cfg = DrafterConfig(
+            num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2, mask_token_id=255
+        )
         super().__init__(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
         self.next_of = next_of
         self.right = right
@@ -87,7 +89,9 @@ def test_accepted_length_is_matching_prefix_plus_bonus(right: int) -> None:
 def test_an_untrained_drafter_gets_a_small_tau() -> None:
     target, _ = markov_target()
     torch.manual_seed(3)
-    cfg = DrafterConfig(num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2)
+    cfg = DrafterConfig(
+        num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2, mask_token_id=255
+    )
     drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
     drafter.train()
     res = evaluate_acceptance(target, drafter, _prompts(), drafter.target_layer_ids, max_new_tokens=12)
