@@ -281,6 +281,21 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def drafter_layout(target_config: Any) -> dict[str, int]:
+    """The drafter's width and head layout: the target's (hidden size, attention heads, KV heads,
+    head_dim, MLP width), as DFlash's drafters are built (``fc`` maps n x hidden -> hidden)."""
+    tc = _text_config(target_config)
+    hidden = int(tc.hidden_size)
+    heads = int(tc.num_attention_heads)
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
+        "intermediate_size": int(tc.intermediate_size),
+    }
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (see the module docstring)."""
 
@@ -290,11 +305,10 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         tc = _text_config(target_config)
         self.cfg = cfg
-        self.hidden_size = int(tc.hidden_size)
-        heads = int(tc.num_attention_heads)
-        kv_heads = int(getattr(tc, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(tc, "head_dim", None) or self.hidden_size // heads)
-        inter = int(tc.intermediate_size)
+        layout = drafter_layout(target_config)
+        self.hidden_size = layout["hidden_size"]
+        heads, kv_heads = layout["num_attention_heads"], layout["num_key_value_heads"]
+        head_dim, inter = layout["head_dim"], layout["intermediate_size"]
         self.head_dim = head_dim
         self.target_layer_ids = cfg.resolved_target_layers(int(tc.num_hidden_layers))
         n = len(self.target_layer_ids)

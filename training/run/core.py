@@ -274,8 +274,10 @@ def checkpoint_state(
     **extra: Any,
 ) -> dict[str, Any]:
     """What a checkpoint holds besides its step and RNG states (``save_checkpoint`` adds those)."""
+    own = getattr(drafter, "module", drafter)  # DDP wraps the drafter on drafter ranks
     return {
-        "drafter": drafter.state_dict(),
+        "drafter": own.state_dict(),
+        "mask_token_id": int(own.cfg.mask_token_id),  # what the export writes
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "position": (position.epoch, position.index),
@@ -323,7 +325,9 @@ def resume(
     state = load_latest(run_dir, map_location=map_location)
     if state is None:
         return None
-    drafter.load_state_dict(state["drafter"])
+    from training.export import drafter_weights
+
+    drafter.load_state_dict(drafter_weights(state, state["path"]))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     resumed = Resumed(

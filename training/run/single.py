@@ -304,12 +304,18 @@ def train(config_name: str, run_dir: Path, overrides: list[str]) -> int:
         trainer.close()
 
 
-def evaluate_run(config: RunConfig, run_dir: Path) -> None:
-    """``python -m training eval``: the newest checkpoint of ``run_dir`` against its target."""
+def evaluate_run(config: RunConfig, run_dir: Path, export: Path | None = None) -> None:
+    """``python -m training eval``: the newest checkpoint of ``run_dir`` (or the exported folder
+    ``export``: same target, prompts and settings) against its target."""
     trainer = Trainer(config, run_dir, eval_only=True)
     try:
         trainer.setup(quiet_data=True)
-        if trainer.step == 0:
+        if export is not None:
+            from training.export import load_export_into
+
+            load_export_into(trainer.drafter, export)
+            print0(f"Loaded the exported drafter {export}")
+        elif trainer.step == 0:
             print0(f"eval: no checkpoint in {trainer.run_dir}/checkpoints; evaluating an untrained drafter")
         trainer.evaluate()
     finally:
