@@ -44,11 +44,11 @@ import torch
 
 from training.config import ConfigError, RunConfig, TrainingError, read_config
 from training.model.drafter import DFlashDrafter, DrafterConfig, drafter_layout
+from training.run.checkpoint import drafter_weights, list_checkpoints
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-LEARNED_MASK = "mask_embedding"  # what checkpoints of the learned-MASK drafter held
 
 
 class ExportError(TrainingError):
@@ -66,20 +66,7 @@ class Exported:
     mask_token_id: int
 
 
-def drafter_weights(state: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    """The drafter's weights of a checkpoint state; an old learned-MASK checkpoint is refused."""
-    weights = state["drafter"]
-    if LEARNED_MASK in weights:
-        raise ConfigError(
-            f"{where} holds a learned MASK vector (drafter from before MASK became a token id): "
-            "it cannot be resumed or exported; train a new run"
-        )
-    return weights
-
-
 def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
-    from training.run.checkpoint import list_checkpoints
-
     for _ in range(3):  # a live run may prune the file between listing and reading it
         found = list_checkpoints(run_dir)
         if not found:

@@ -53,6 +53,7 @@ from training.model.kernels import (
 from training.model.target import check_vocab, describe_layers, layer_types, load_model, text_config
 from training.run.checkpoint import (
     SavedCheckpoint,
+    drafter_weights,
     load_latest,
     remove_stale_temps,
     restore_rng,
@@ -325,8 +326,6 @@ def resume(
     state = load_latest(run_dir, map_location=map_location)
     if state is None:
         return None
-    from training.export import drafter_weights
-
     drafter.load_state_dict(drafter_weights(state, state["path"]))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
