@@ -19,7 +19,7 @@ from testkit import LocalTmux, wait_for
 from fleet import deploy as d
 from fleet import runs
 from fleet.errors import ConfigError, RunError
-from fleet.export import export_argv, export_drafter
+from fleet.export import export_argv, export_drafter, fetch_export
 from fleet.inventory import Commands, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import LocalTarget, open_target
@@ -49,6 +49,7 @@ def target(tmp_path: Path, local_tmux: LocalTmux, tiny_cache: Path) -> Iterator[
             overrides=(
                 "--train.steps=100000",
                 "--checkpoint.every=3",
+                "--checkpoint.keep=100000",  # step 3 stays for the named-step export
                 "--eval.num_prompts=0",
                 "--train.log_every=1",
                 "--train.torch_threads=1",
@@ -108,7 +109,7 @@ def test_export_from_a_live_run_copies_the_folder_and_leaves_the_run_alone(
     with pytest.raises(ConfigError, match="not an export"):
         (tmp_path / "busy").mkdir()
         (tmp_path / "busy" / "notes.txt").write_text("mine")
-        export_drafter(target, to=str(tmp_path / "busy"))
+        fetch_export(target, done.remote_path, tmp_path / "busy")  # refused before any command
     # the run went on undisturbed and stops cleanly
     seen = max(_steps(info.run_dir))
     wait_for("more steps", lambda: max(_steps(info.run_dir)) > seen + 2, 300)
