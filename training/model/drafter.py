@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from training.config import DrafterSection
 from training.model import attention
-from training.model.loss import block_loss, tau_from_accuracy
+from training.model.loss import block_loss
 
 _RUN = DrafterSection()  # the run config's defaults: one default per value
 
@@ -144,7 +144,7 @@ class DraftOutput:
 
     loss: Tensor  # scalar, differentiable
     acc_per_offset: Tensor  # [B-1] float, offsets 1..B-1
-    tau_estimate: float  # 1 + sum_k prod_{j<=k} acc_j (see loss.tau_from_accuracy)
+    tau_estimate: float  # 1 + mean accepted length per block (loss.accept_lengths)
     num_tokens: int  # labelled positions in the loss
     correct_per_offset: Tensor  # [B-1] long (sum across steps/ranks, then divide by count)
     count_per_offset: Tensor  # [B-1] long
@@ -415,7 +415,7 @@ class DFlashDrafter(nn.Module):
         return DraftOutput(
             loss=result.loss,
             acc_per_offset=acc,
-            tau_estimate=tau_from_accuracy(acc),
+            tau_estimate=result.tau_estimate,
             num_tokens=int(result.count.sum().item()),
             correct_per_offset=result.correct,
             count_per_offset=result.count,

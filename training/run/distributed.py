@@ -490,6 +490,11 @@ def _check_pipeline(config: RunConfig) -> None:
         raise ConfigError(f"config key pipeline.credits: must be >= 1, got {p.credits}")
     if p.timeout_s <= 0 or p.balance_window_s <= 0:
         raise ConfigError("config keys pipeline.timeout_s and pipeline.balance_window_s must be > 0")
+    if config.eval.every:  # acceptance eval needs the target next to the drafter (module docstring)
+        raise ConfigError(
+            f"config key eval.every={config.eval.every}: an N+M run has no in-run acceptance eval; "
+            "set eval.every = 0 and run `python -m training eval --run-dir DIR` (or on a checkpoint's export)"
+        )
 
 
 def train_distributed(config_name: str, run_dir: Path, overrides: list[str], topology_text: str) -> int:

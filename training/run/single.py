@@ -216,10 +216,13 @@ class Trainer:
             tau_mean=result.tau_mean,
             tau_hist=list(result.hist),
             tau_estimate=self.last_tau,
+            tau_prompt_mean=result.tau_prompt_mean,
         )
-        self.logger.log({"eval/tau_mean": result.tau_mean, "eval/tau_estimate": self.last_tau}, self.step)
+        logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
+        self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
         print0(
-            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} (training estimate {self.last_tau:.3f}) "
+            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} per round, "
+            f"{result.tau_prompt_mean:.3f} per prompt (training estimate {self.last_tau:.3f}) "
             f"over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
             f"({time.monotonic() - t0:.1f}s)"
         )
