@@ -95,6 +95,16 @@ class DrafterSection:
     # The reserved token whose frozen target embedding is MASK (-1 = the target config's
     # mask_token_id, else the tokenizer's mask token, else the first embedding row past the tokenizer).
     mask_token_id: int = -1
+    # The drafter's own layout, as a published drafter's config.json gives it (0 = the target's
+    # value; the width is always the target's hidden size: it shares the embedding and lm_head).
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rope_theta: float = 1_000_000.0
+    # A published drafter's HF folder (config.json + model.safetensors) to start from; its
+    # layout must be this [drafter]'s (a mismatch is named in one line).
+    init_from: str = ""
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 from training.config import ConfigError, RunConfig, TrainingError, read_config
-from training.model.drafter import DFlashDrafter, DrafterConfig, drafter_layout
+from training.model.drafter import DrafterConfig, drafter_layout
+from training.model.hf_folder import ARCHITECTURE, WEIGHTS, load_export_into, read_export
 from training.run.checkpoint import drafter_weights, list_checkpoints
 
-ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS = "model.safetensors"
+__all__ = ["ARCHITECTURE", "WEIGHTS", "export_run", "load_export_into", "read_export"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -104,7 +104,7 @@ def run_target_config(config: RunConfig) -> tuple[Any, Any]:
 
 def export_config(cfg: DrafterConfig, target_config: Any, tokenizer: Any) -> dict[str, Any]:
     """The ``config.json`` of an exported drafter (see the module docstring)."""
-    layout = drafter_layout(target_config)
+    layout = drafter_layout(target_config, cfg)
     text = getattr(target_config, "text_config", None) or target_config
     layer_ids = cfg.resolved_target_layers(int(text.num_hidden_layers))
     types = cfg.layer_types()
@@ -126,6 +126,7 @@ def export_config(cfg: DrafterConfig, target_config: Any, tokenizer: Any) -> dic
         "attention_dropout": 0.0,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "max_position_embeddings": int(getattr(text, "max_position_embeddings", 32768)),
         "vocab_size": int(text.vocab_size),
         "tie_word_embeddings": False,
@@ -197,52 +198,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-# ------------------------------------------------------------------ reading an export back
-def read_export(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json, fp32 weights) of an exported folder; a folder that is not one is a ConfigError."""
-    from safetensors.torch import load_file
-
-    folder = folder.expanduser()
-    cfg_path, weights_path = folder / "config.json", folder / WEIGHTS
-    if not cfg_path.is_file() or not weights_path.is_file():
-        raise ConfigError(f"{folder} is not an exported drafter (needs config.json and {WEIGHTS})")
-    body = json.loads(cfg_path.read_text(encoding="utf-8"))
-    if ARCHITECTURE not in body.get("architectures", []):
-        raise ConfigError(f"{cfg_path}: architectures is not [{ARCHITECTURE!r}]")
-    return body, {k: v.float() for k, v in load_file(str(weights_path)).items()}
-
-
-def load_export_into(drafter: DFlashDrafter, folder: Path) -> dict[str, Any]:
-    """Load an exported folder's weights into ``drafter`` after checking that the folder was
-    exported for the same recipe (block size, target layers, MASK id, layer types, window)."""
-    body, weights = read_export(folder)
-    dflash = body.get("dflash_config", {})
-    cfg = drafter.cfg
-    want = {
-        "block_size": cfg.block_size,
-        "target_layer_ids": list(drafter.target_layer_ids),
-        "mask_token_id": cfg.mask_token_id,
-        "layer_types": cfg.layer_types(),
-    }
-    got = {
-        "block_size": dflash.get("block_size", body.get("block_size")),
-        "target_layer_ids": dflash.get("target_layer_ids"),
-        "mask_token_id": dflash.get("mask_token_id"),
-        "layer_types": body.get("layer_types"),
-    }
-    if "sliding_attention" in cfg.layer_types():
-        want["sliding_window"], got["sliding_window"] = cfg.sliding_window, body.get("sliding_window")
-    differ = [f"{k} {got[k]!r} (run: {want[k]!r})" for k in want if got[k] != want[k]]
-    if differ:
-        raise ConfigError(f"{folder} was exported for another drafter: {'; '.join(differ)}")
-    try:
-        drafter.load_state_dict(weights)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"{folder}/{WEIGHTS} does not fit this run's drafter: {first}") from None
-    return body
 
 
 def export_main(run_dir: Path, out: Path, step: int | None, dtype: str) -> int:

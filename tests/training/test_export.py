@@ -202,3 +202,19 @@ def test_export_refuses_old_checkpoints_and_missing_steps(run_with_checkpoint, t
     save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="not an exported drafter"):
         load_export_into(drafter, tmp_path)
+
+
+def test_init_from_a_drafter_folder_starts_from_its_weights(run_with_checkpoint, tmp_path: Path) -> None:
+    from training.config import ConfigError, load_config
+    from training.export import export_run
+    from training.run import core
+
+    run_dir, loaded, drafter = run_with_checkpoint
+    folder = export_run(run_dir, tmp_path / "published", dtype="float32").path
+    config = load_config("tiny-cpu", [*OVERRIDES, f"--drafter.init_from={folder}"])
+    started = core.build_drafter(config, loaded.model, torch.device("cpu"), loaded.tokenizer)
+    own = drafter.state_dict()
+    assert all(torch.equal(t, own[name]) for name, t in started.state_dict().items())
+    other = load_config("tiny-cpu", [*OVERRIDES, "--drafter.head_dim=16", f"--drafter.init_from={folder}"])
+    with pytest.raises(ConfigError, match=r"another drafter: head_dim 32 \(run: 16\)"):
+        core.build_drafter(other, loaded.model, torch.device("cpu"), loaded.tokenizer)

@@ -82,7 +82,7 @@ class DrafterConfig:
     gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
     loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = _RUN.rope_theta
     num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
     target_layer_ids: tuple[int, ...] = _RUN.target_layer_ids  # explicit layers; () = select_target_layers
     flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
@@ -90,6 +90,11 @@ class DrafterConfig:
     # The reserved token whose target embedding is MASK; -1 = not resolved yet (the trainer
     # resolves it with resolve_mask_token_id before building the drafter).
     mask_token_id: int = _RUN.mask_token_id
+    # The drafter's head layout and MLP width (0 = the target's; see drafter_layout).
+    num_attention_heads: int = _RUN.num_attention_heads
+    num_key_value_heads: int = _RUN.num_key_value_heads
+    head_dim: int = _RUN.head_dim
+    intermediate_size: int = _RUN.intermediate_size
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -281,19 +286,33 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def drafter_layout(target_config: Any) -> dict[str, int]:
-    """The drafter's width and head layout: the target's (hidden size, attention heads, KV heads,
-    head_dim, MLP width), as DFlash's drafters are built (``fc`` maps n x hidden -> hidden)."""
+def drafter_layout(target_config: Any, cfg: DrafterConfig | None = None) -> dict[str, int]:
+    """The drafter's width and head layout. The width is the target's hidden size (the drafter
+    shares its embedding and lm_head; ``fc`` maps n x hidden -> hidden); heads, KV heads,
+    head_dim and MLP width are ``cfg``'s where set (a published drafter's own layout, e.g.
+    z-lab's Qwen3.6 drafters: 32 heads of 128, 8 KV heads) and the target's where 0."""
     tc = _text_config(target_config)
     hidden = int(tc.hidden_size)
     heads = int(tc.num_attention_heads)
-    return {
+    layout = {
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
         "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
         "intermediate_size": int(tc.intermediate_size),
     }
+    if cfg is not None:
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(cfg, key) > 0:
+                layout[key] = int(getattr(cfg, key))
+        if not cfg.num_key_value_heads and cfg.num_attention_heads:
+            layout["num_key_value_heads"] = min(layout["num_key_value_heads"], layout["num_attention_heads"])
+    if layout["num_attention_heads"] % layout["num_key_value_heads"]:
+        raise ValueError(
+            f"drafter.num_attention_heads={layout['num_attention_heads']} must be a multiple of "
+            f"drafter.num_key_value_heads={layout['num_key_value_heads']}"
+        )
+    return layout
 
 
 class DFlashDrafter(nn.Module):
@@ -305,7 +324,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         tc = _text_config(target_config)
         self.cfg = cfg
-        layout = drafter_layout(target_config)
+        layout = drafter_layout(target_config, cfg)
         self.hidden_size = layout["hidden_size"]
         heads, kv_heads = layout["num_attention_heads"], layout["num_key_value_heads"]
         head_dim, inter = layout["head_dim"], layout["intermediate_size"]

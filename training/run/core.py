@@ -44,6 +44,7 @@ from training.model.drafter import (
     resolve_mask_token_id,
     sample_anchors,
 )
+from training.model.hf_folder import load_export_into
 from training.model.kernels import (
     TargetKernels,
     autotune_results,
@@ -87,10 +88,18 @@ def mask_token_id(config: RunConfig, tokenizer: Any, target_config: Any) -> int:
 def build_drafter(
     config: RunConfig, target: nn.Module, device: torch.device, tokenizer: Any
 ) -> DFlashDrafter:
-    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed)."""
+    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed),
+    or ``drafter.init_from``'s weights (a resume then loads its checkpoint over them)."""
     cfg = replace(drafter_config(config), mask_token_id=mask_token_id(config, tokenizer, target.config))
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+    try:
+        drafter = DFlashDrafter(
+            cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings()
+        )
+    except ValueError as exc:  # a layout the target cannot take (heads vs KV heads)
+        raise ConfigError(f"config key {exc}") from None
+    if config.drafter.init_from:
+        load_export_into(drafter, Path(config.drafter.init_from))
     return drafter.to(device)
 
 

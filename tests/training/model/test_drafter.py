@@ -289,3 +289,24 @@ def test_drafter_config_defaults_are_the_run_configs() -> None:
     section, config = DrafterSection(), DrafterConfig()
     assert {n: getattr(config, n) for n in shared} == {n: getattr(section, n) for n in shared}
     assert len(select_target_layers(36)) == section.num_target_layers
+
+
+def test_the_drafter_layout_comes_from_the_drafter_config() -> None:
+    """Heads, KV heads, head_dim and MLP width from [drafter] (a published drafter's layout, e.g.
+    z-lab's Qwen3.6 drafters: 32 x 128 heads, 8 KV heads); 0 = the target's (before: always)."""
+    target = tiny_target()  # 4 heads of 16, 2 KV heads, MLP 128, hidden 64
+    same = tiny_drafter(target)
+    assert same.layers[0].self_attn.q_proj.weight.shape == (4 * 16, 64)
+    own = tiny_drafter(
+        target, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=96
+    )
+    attn = own.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (8 * 32, 64) and attn.k_proj.weight.shape == (2 * 32, 64)
+    assert attn.o_proj.weight.shape == (64, 8 * 32) and own.layers[1].mlp.gate_proj.weight.shape == (96, 64)
+    assert own.fc.weight.shape == (64, 2 * 64)  # the width stays the target's
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(8))
+    th = hidden_of(target, ids, own.target_layer_ids)
+    with torch.no_grad():
+        assert own.block_hidden(ids, th, torch.tensor([[3, 7]])).shape == (1, 8, 64)
+    with pytest.raises(ValueError, match="multiple of"):
+        tiny_drafter(target, num_attention_heads=6, num_key_value_heads=4)
