@@ -422,7 +422,9 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
 
 # What a checkpoint depends on: a resume must not change these (steps, lr, logging, eval may).
 RESUME_SECTIONS = ("model", "drafter", "data")
-RESUME_FREE_KEYS = frozenset({"model.device", "model.cache_dir", "data.cache_dir", "data.num_proc"})
+RESUME_FREE_KEYS = frozenset(
+    {"model.device", "model.cache_dir", "data.cache_dir", "data.num_proc", "drafter.init_from"}
+)
 
 
 def resume_mismatches(saved: dict[str, Any], current: RunConfig) -> list[str]:

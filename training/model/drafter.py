@@ -32,11 +32,11 @@ block with ``model.mask_token_id`` and embeds it with the target's input embeddi
 serving engines load no MASK weight (SGLang ``python/sglang/srt/models/dflash.py`` ignores
 unknown weights; vLLM ``vllm/model_executor/models/qwen3_dflash.py`` embeds
 ``dflash_config.mask_token_id`` through the target's table), so a learned vector would not
-leave the trainer. The blocks pass N decoder layers (RMSNorm, GQA attention
-with per-head q/k RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the
-target's hidden size and head layout. Each layer's queries come from the block tokens; its
-keys/values from [fused context ; block tokens] through the layer's own k/v projections
-(the context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
+leave the trainer. The blocks pass N decoder layers (RMSNorm, GQA attention with per-head q/k
+RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the target's hidden size with
+``drafter_layout``'s heads and MLP width. Each layer's queries come from the block tokens; its
+keys/values from [fused context ; block tokens] through the layer's own k/v projections (the
+context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
 positions: context ``j`` -> ``j``; block offset ``i`` of anchor ``a`` -> ``a + i``. A final
 RMSNorm, then the target's frozen lm_head; offset ``i >= 1`` predicts the token at ``a + i``
 (loss: ``training/model/loss.py``).
