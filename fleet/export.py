@@ -20,7 +20,7 @@ import re
 import shutil
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleet import remote
@@ -87,7 +87,7 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
     )
     if to:
         local = fetch_export(target, result.remote_path, Path(to).expanduser())
-        result = ExportResult(**{**result.__dict__, "local_path": local})
+        result = replace(result, local_path=local)
     return result
 
 
