@@ -214,6 +214,21 @@ def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
         print(runs.plan(target, gpus or target.spec.gpus or 2, as_json=json))
 
 
+@fleet_task(
+    help={
+        "step": "export this checkpoint step (default: the newest)",
+        "to": "then copy the folder to this local folder (replaced whole)",
+    }
+)
+def export(c: Context, step: int = -1, to: str = "") -> None:
+    """Export the latest run's drafter as a folder SGLang/vLLM load (--to copies it here)."""
+    from fleet import export as fleet_export
+
+    with single_target(c) as target:
+        print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to).text())
+
+
 ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)
+ns.add_task(export)
 ns.add_task(doctor)
 ns.add_task(warm)

@@ -100,11 +100,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    planner = load_train_data(
-        config, load_tokenizer(tok_dir), Path(args.cache_root).parent / "data-cache"
-    ).planner
+    tokenizer = load_tokenizer(tok_dir)
+    planner = load_train_data(config, tokenizer, Path(args.cache_root).parent / "data-cache").planner
     dtype = resolve_dtype(config.model.dtype, device)
-    drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
+    stand_in = StandInTarget(target_config(config, folder), device, dtype)
+    drafter = build_drafter(config, stand_in, device, tokenizer)
     shapes = compile_shapes(planner)[: args.max_shapes or None]
     limit = set_compile_guards(config, drafter, len(shapes))
     setup_done = time.time()

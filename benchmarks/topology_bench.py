@@ -56,7 +56,7 @@ from training.model.flops import (  # noqa: E402
     forward_flops,
 )
 from training.model.tinymodel import target_text_config  # noqa: E402
-from training.run.core import anchors_per_row, drafter_config  # noqa: E402
+from training.run.core import drafter_config  # noqa: E402
 
 
 def peak_matmul_flops(device: str, size: int, iters: int) -> float:
@@ -111,13 +111,13 @@ def target_flops(shapes: FlopShapes, event: dict[str, Any]) -> float:
 
 def drafter_flops(config: RunConfig, shapes: FlopShapes, event: dict[str, Any]) -> float:
     """Forward + backward FLOPs of the drafter step of one ``step`` event: the context at the
-    padded length (fc and K/V run on it), the anchors per row the trainer draws for it, their
-    expected spans at the mean real length, the labelled positions as the event counts them."""
+    padded length (fc and K/V run on it), the anchors per row the trainer draws for it
+    (num_anchors, at most T - 1: sample_anchors), their expected spans at the mean real length,
+    the labelled positions as the event counts them."""
     rows, padded = max(int(event["sequences"]), 1), int(event["padded_length"])
     d = shapes.drafter
-    stats = AnchorStats.expected(
-        rows, event["tokens"] / rows, anchors_per_row(config, padded), d.block_size, d.windows
-    )
+    per_row = max(1, min(config.drafter.num_anchors, padded - 1))
+    stats = AnchorStats.expected(rows, event["tokens"] / rows, per_row, d.block_size, d.windows)
     if "labelled" in event:
         stats = replace(stats, labelled=float(event["labelled"]))
     return drafter_step_flops(d, padded, stats)["total"]

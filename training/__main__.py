@@ -1,7 +1,8 @@
-"""``python -m training {train,eval,warm,plan}`` — the trainer's command line (runs on the target).
+"""``python -m training {train,eval,export,warm,plan}`` — the trainer's command line (runs on the target).
 
-    python -m training train --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
-    python -m training eval  --run-dir DIR
+    python -m training train  --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
+    python -m training eval   --run-dir DIR [--export FOLDER]
+    python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32]
     python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
     python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
 
@@ -37,6 +38,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.run.plan)")
     evaluate = sub.add_parser("eval", help="measure real acceptance of the newest checkpoint of a run")
     evaluate.add_argument("--run-dir", required=True, type=Path)
+    evaluate.add_argument(
+        "--export", type=Path, default=None, help="evaluate this exported folder instead of the checkpoint"
+    )
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a folder SGLang/vLLM load (training.export)"
+    )
+    export.add_argument("--run-dir", required=True, type=Path)
+    export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
+    export.add_argument("--out", required=True, type=Path, help="the folder to write (replaced atomically)")
+    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     warm = sub.add_parser(
         "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
     )
@@ -80,13 +91,22 @@ def main(argv: list[str] | None = None) -> int:
             from training.compile.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
+        elif args.command == "export":
+            if extra:
+                raise_usage(
+                    f"unexpected argument {extra[0]!r}: export takes --run-dir, --step, --out, --dtype"
+                )
+            from training.export import export_main
+
+            run_dir = None  # export only reads the run dir: no error event in a live run's log
+            return export_main(args.run_dir, args.out, args.step, args.dtype)
         else:
             if extra:
-                raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir")
+                raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir and --export")
             from training.config import read_config
             from training.run.single import evaluate_run
 
-            evaluate_run(read_config(run_dir), run_dir)
+            evaluate_run(read_config(run_dir), run_dir, export=args.export)
     except TrainingError as exc:
         _record_error(run_dir, exc)
         print(f"error: {exc}", file=sys.stderr)

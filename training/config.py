@@ -85,13 +85,26 @@ class DrafterSection:
 
     num_layers: int = 5
     block_size: int = 16
-    num_anchors: int = 512  # per max_length sequence; a bucket padded to T: ceil(512 * T / max_length)
+    num_anchors: int = 512  # per sequence, in every bucket (rows per micro-batch: data.max_batch_size)
     sliding_window: int = 2048
     full_attention_layers: tuple[int, ...] = (4,)  # the others slide over sliding_window
     gamma: float = 7.0
     loss_chunk_size: int = 2048
     target_layer_ids: tuple[int, ...] = ()  # () = DFlash's rule: 5 layers spread over the depth
     num_target_layers: int = 5
+    # The reserved token whose frozen target embedding is MASK (-1 = the target config's
+    # mask_token_id, else the tokenizer's mask token, else the first embedding row past the tokenizer).
+    mask_token_id: int = -1
+    # The drafter's own layout, as a published drafter's config.json gives it (0 = the target's
+    # value; the width is always the target's hidden size: it shares the embedding and lm_head).
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rope_theta: float = 1_000_000.0
+    # A published drafter's HF folder (config.json + model.safetensors) to start from; its
+    # layout must be this [drafter]'s (a mismatch is named in one line).
+    init_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -409,7 +422,9 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
 
 # What a checkpoint depends on: a resume must not change these (steps, lr, logging, eval may).
 RESUME_SECTIONS = ("model", "drafter", "data")
-RESUME_FREE_KEYS = frozenset({"model.device", "model.cache_dir", "data.cache_dir", "data.num_proc"})
+RESUME_FREE_KEYS = frozenset(
+    {"model.device", "model.cache_dir", "data.cache_dir", "data.num_proc", "drafter.init_from"}
+)
 
 
 def resume_mismatches(saved: dict[str, Any], current: RunConfig) -> list[str]:

@@ -3,7 +3,8 @@
 A new LXC container from the cached debootstrap rootfs (tests/freshct.py), with only the
 README's prerequisites installed by apt, a fresh `git clone` of this checkout's HEAD, then
 exactly what a new user types: `./bootstrap && .venv/bin/fab deploy train`, which trains the tiny
-default to the end, and the README's test command restricted to the fast tier. Before the
+default to the end (then `fab export --to` copies its drafter folder back), and the README's
+test command restricted to the fast tier. Before the
 prerequisites, `./bootstrap` on the bare image (python3 without venv or pip) must say in one line
 what to install. The host's uv cache is shared with the container: torch is downloaded once per
 machine (benchmarks/fresh_setup.py measures the cold case). Last, with python3-pip instead of
@@ -94,6 +95,15 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
     assert status["step"] == status["total_steps"] == 150, status
     venv_site = "/root/fleet/.venv/lib/python3.11/site-packages"
     assert not ct.path(f"{venv_site}/torch").exists()  # the controller stays light
+    # The trained drafter leaves the trainer: `fab export --to` brings the serving folder back.
+    exported = ct.sh("cd /root/fleet && .venv/bin/fab export --to /root/drafter", timeout=900)
+    assert exported.returncode == 0, exported.stdout[-3000:] + exported.stderr[-3000:]
+    assert "step 150 exported" in exported.stdout, exported.stdout
+    drafter = json.loads(ct.path("/root/drafter/config.json").read_text())
+    assert (
+        drafter["architectures"] == ["DFlashDraftModel"]
+        and ct.path("/root/drafter/model.safetensors").exists()
+    )
 
     # 3. The README's test command, fast tier, on a machine `fab doctor` finds fit (the hostname
     # resolves, as on a Proxmox container); then a topology run where the hostname does not resolve.

@@ -514,3 +514,61 @@ def test_run_environment_does_not_inherit_the_ssh_session(
     leaked = sorted(key.decode() for key in environ if key.startswith((b"SSH_", b"PYENV")))
     assert not leaked, f"{mode}: the run inherited the SSH session's environment: {leaked}"
     assert fleet.fab("stop").returncode == 0
+
+
+def test_export_over_ssh_brings_the_folder_back_byte_for_byte(
+    remote_fleet: RemoteFleet, tmp_path: Path
+) -> None:
+    """`fab export --to` through SSH + pct: the export command gets the run dir and its output
+    folder as literal arguments and the run's environment on stdin, and the folder (binary
+    weights included) arrives intact. The container has no torch, so `commands.python` is a
+    stand-in for the trainer's `export` that writes a folder as the trainer does (the trainer's
+    side runs for real in tests/fleet/test_export.py and tests/training/test_export.py)."""
+    fleet, hosts = remote_fleet, remote_fleet.hosts
+    assert fleet.fab("deploy").returncode == 0
+    selftest = fleet.fab("export")  # the fixture's run.module is training.selftest
+    assert selftest.returncode == 5 and "not the bundled trainer" in one_line_error(selftest)
+    fleet.write(run={"module": "training", "config": "tiny-cpu", "overrides": [], "env": {}})
+    none = fleet.fab("export")
+    assert none.returncode == 5 and "no run to export" in one_line_error(none)
+    fleet.write(run={"module": "training.selftest", "config": "selftest", "overrides": [], "env": {}})
+    assert fleet.fab("train", "--no-warm").returncode == 0
+    wait_for("the run to end", lambda: status_json(fleet)["state"] in FINAL_STATES)
+
+    weights = bytes(range(256)) * 64 + b"\n\r\x00 tail"  # every byte value, newlines, NUL
+    label = Path(fleet.workdir).name
+    hosts.ct_path(f"/tmp/{label}-weights").write_bytes(weights)
+    stand_in = f"/tmp/{label}-python"
+    hosts.ct_path(stand_in).write_text(
+        "#!/bin/sh\n"
+        '[ "$1 $2 $3" = "-m training export" ] || exit 9\n'
+        "run_dir=$5 out=$7\n"
+        '[ -f "$run_dir/run.json" ] || { echo "error: $run_dir is not a run dir" >&2; exit 2; }\n'
+        'mkdir -p "$out" && printf \'{"architectures": ["DFlashDraftModel"], "seen": "%s"}\\n\' '
+        '"$FLEET_TEST_EXPORT_ENV" > "$out/config.json"\n'
+        f'cp /tmp/{label}-weights "$out/model.safetensors"\n'
+        'echo "exported step 42 (25 tensors, bfloat16, mask_token_id 3) -> $out"\n'
+    )
+    hosts.ct_path(stand_in).chmod(0o755)
+    fleet.write(
+        run={
+            "module": "training",
+            "config": "tiny-cpu",
+            "overrides": [],
+            "env": {"FLEET_TEST_EXPORT_ENV": "on"},
+        },
+        commands={**fleet.defaults["commands"], "python": stand_in},
+    )
+    local = tmp_path / "drafter"
+    done = fleet.fab("export", "--to", str(local))
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = status_json(fleet)["run_id"]
+    assert (
+        f"run {run_id} step 42 exported" in done.stdout
+        and f"{fleet.workdir}/runs/{run_id}/export" in done.stdout
+    )
+    assert (local / "model.safetensors").read_bytes() == weights
+    assert json.loads((local / "config.json").read_text())["seen"] == "on"  # the run's env, via stdin
+    assert sorted(p.name for p in local.iterdir()) == ["config.json", "model.safetensors"]
+    again = fleet.fab("export", "--to", str(local))  # replaces the local copy whole
+    assert again.returncode == 0 and not [p for p in tmp_path.iterdir() if p.name.startswith(".drafter")]

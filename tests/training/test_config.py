@@ -147,3 +147,12 @@ def test_cli_eval_without_a_run_is_one_line(tmp_path: Path) -> None:
     result = _cli("eval", "--run-dir", str(tmp_path / "nothing"), tmp_path=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "config.json" in result.stderr
+
+
+def test_eval_every_in_an_n_plus_m_run_is_a_one_line_error() -> None:
+    """An N+M run has no in-run acceptance eval: eval.every is refused, not silently ignored."""
+    from training.run.distributed import _check_pipeline
+
+    _check_pipeline(load_config("tiny-cpu", []))
+    with pytest.raises(ConfigError, match=r"eval.every=5: an N\+M run .* eval.every = 0"):
+        _check_pipeline(load_config("tiny-cpu", ["--eval.every=5"]))

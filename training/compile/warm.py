@@ -220,7 +220,7 @@ def warm_step(
     mask = torch.ones(b, t, dtype=torch.bool, device=device)
     lengths = torch.full((b,), t, dtype=torch.long)
     hidden = torch.empty(b, t, drafter.fc.in_features, device=device, dtype=hidden_dtype).normal_()
-    anchors = sample_anchors(mask, lengths, cfg.anchors_for(t), cfg.block_size, generator)
+    anchors = sample_anchors(mask, lengths, cfg.num_anchors, generator)
     out = train_forward(drafter, ids, mask, hidden, anchors)
     if out.num_tokens > 0:
         out.loss.backward()
@@ -326,10 +326,12 @@ def run_warm(
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    planner = load_train_data(config, load_tokenizer(tok_dir), root / ".data-cache").planner
+    tokenizer = load_tokenizer(tok_dir)
+    planner = load_train_data(config, tokenizer, root / ".data-cache").planner
     echo(format_bucket_table(planner.table()))
     dtype = resolve_dtype(config.model.dtype, device)
-    drafter = build_drafter(config, StandInTarget(target_config(config, folder), device, dtype), device)
+    stand_in = StandInTarget(target_config(config, folder), device, dtype)
+    drafter = build_drafter(config, stand_in, device, tokenizer)
     shapes = compile_shapes(planner)
     limit = set_compile_guards(config, drafter, len(shapes))
     echo(

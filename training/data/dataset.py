@@ -203,13 +203,14 @@ class TrainData:
         return batch, after
 
     def eval_prompts(self, prompt_tokens: int, count: int) -> list[list[int]]:
-        """Up to ``count`` held-out prompts: the tokens before the first labelled one, at most
-        ``prompt_tokens`` (at least one token)."""
+        """Up to ``count`` held-out prompts: the last ``prompt_tokens`` tokens before the first
+        labelled one (at least one token), so a long prompt keeps its end (the chat turn that
+        asks) instead of being cut after its first message."""
         prompts: list[list[int]] = []
         for ids, mask in zip(self.eval_rows["input_ids"], self.eval_rows["loss_mask"], strict=True):
             first_label = mask.index(1) if 1 in mask else len(ids)
-            cut = max(1, min(first_label, prompt_tokens))
-            prompts.append(list(ids[:cut]))
+            end = max(1, first_label)
+            prompts.append(list(ids[max(0, end - max(1, prompt_tokens)) : end]))
             if len(prompts) >= count:
                 break
         return prompts

@@ -7,11 +7,27 @@ offset ``q % B``. Keys/values are ``[context (T) ; block tokens (K*B)]``: key in
 ``j < T`` is the fused target hidden state at sequence position ``j``; key index
 ``j >= T`` is block token ``j - T``.
 
-The exact visibility rule (``mask_mod`` below and ``dense_block_mask`` implement it):
+The exact visibility rule (``mask_mod`` below and ``dense_block_mask`` implement it), per
+layer type as the serving engines run each drafter layer:
 
-    query q in block k with anchor a = anchors[b, k] sees key j iff
-      context:  j < T  and  j < a  and  (window is None  or  j >= a - window)
-      own block: j >= T and (j - T) // B == k          (all B positions, bidirectional)
+    query q at block offset i of block k, anchor a = anchors[b, k], sees key j iff
+      full layer (window None):
+        context:   j < T  and  j < a
+        own block: j >= T and (j - T) // B == k                 (all B positions, both ways)
+      sliding layer (window W):
+        context:   j < T  and  j < a  and  j >= a + i - (W - 1)  (a per-token left window)
+        own block: j >= T and (j - T) // B == k and (j - T) % B <= i   (causal in the block)
+
+Sources: SpecForge ``specforge/algorithms/common/dflash_family_model.py``
+(``create_dflash_block_mask`` / ``create_dflash_sdpa_mask`` with ``sliding_window``: "the
+current draft token occupies one slot in the window"); z-lab/dflash ``dflash/model.py``
+(``Qwen3DFlashAttention``: a ``sliding_attention`` layer is causal with the window
+``query_position - key_position < sliding_window``, a ``full_attention`` layer attends both
+ways); SGLang ``python/sglang/srt/models/dflash.py`` (full layers ``ENCODER_ONLY``, sliding
+layers ``DECODER`` with the window) and vLLM
+``vllm/model_executor/models/qwen3_dflash.py`` (``_resolve_layer_attention``: causal only for
+``sliding_attention``). The window is in tokens and counts the query itself, so a sliding
+layer needs ``W >= B`` for the whole block to fit (``DrafterConfig`` checks it).
 
 Context *strictly before* the anchor: the anchor token itself enters the block as its
 token embedding (block offset 0), and offset ``i`` predicts the token at ``a + i``. This
@@ -19,7 +35,7 @@ is what decoding has: the target's hidden states exist for the verified prefix
 ``0..a-1``; the token at ``a`` (the target's bonus token) has no hidden state yet.
 A padded anchor (``-1``) sees no context, only its own block (no empty rows, no NaN;
 its labels are masked by the loss). Blocks never see other blocks, so anchors closer
-than ``B`` (overlapping blocks) are independent. ``window`` is in tokens.
+than ``B`` (overlapping blocks) are independent.
 
 Backends (``make_attend``): ``flex`` — flex_attention with the BlockMask; ``blockwise`` —
 plain autograd tensor ops that score each block against the context [Q x T] and against
@@ -97,14 +113,16 @@ def make_mask_mod(
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         blk = q_idx // bs
+        off = q_idx % bs
         # Kernels may evaluate padded rows of a partial tile (q_idx >= K*bs): never read
         # past the anchors tensor (those rows are discarded anyway).
         anchor = anchors[b, blk.clamp(max=last_block)]
         is_ctx = kv_idx < T
         ctx_ok = is_ctx & (kv_idx < anchor)
-        if window is not None:
-            ctx_ok = ctx_ok & (kv_idx >= anchor - window)
         own = (~is_ctx) & ((kv_idx - T) // bs == blk)
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_idx >= anchor + off - (window - 1))
+            own = own & ((kv_idx - T) % bs <= off)
         return ctx_ok | own
 
     return mask_mod
@@ -121,14 +139,17 @@ def dense_block_mask(anchors: Tensor, context_len: int, block_size: int, window:
     q_len = k * block_size
     dev = anchors.device
     q_block = torch.arange(q_len, device=dev) // block_size  # [Q]
+    q_off = torch.arange(q_len, device=dev) % block_size  # [Q]
     anchor_q = anchors[:, q_block]  # [B, Q]
     ctx_j = torch.arange(T, device=dev)  # [T]
     ctx = ctx_j[None, None, :] < anchor_q[:, :, None]
-    if window is not None:
-        ctx = ctx & (ctx_j[None, None, :] >= anchor_q[:, :, None] - window)
     blk_j = torch.arange(q_len, device=dev) // block_size
-    own = (q_block[:, None] == blk_j[None, :]).expand(bsz, q_len, q_len)
-    return torch.cat([ctx, own], dim=2)
+    own = q_block[:, None] == blk_j[None, :]  # [Q, Q]
+    if window is not None:
+        lower = anchor_q + q_off[None, :] - (window - 1)  # [B, Q]
+        ctx = ctx & (ctx_j[None, None, :] >= lower[:, :, None])
+        own = own & (q_off[None, :] <= q_off[:, None])  # key offset <= query offset
+    return torch.cat([ctx, own.expand(bsz, q_len, q_len)], dim=2)
 
 
 def build_block_mask(
@@ -273,10 +294,13 @@ def blockwise_attend(
     j = torch.arange(T, device=q.device)
     a = anchors[:, None, :, None, None]
     ctx_ok = j < a
-    if window is not None:
-        ctx_ok = ctx_ok & (j >= a - window)
-    s_ctx = s_ctx.masked_fill(~ctx_ok, float("-inf"))
     s_own = torch.einsum("bhkqd,bhkjd->bhkqj", q_blk, k_blk) * s
+    if window is not None:
+        off = torch.arange(block_size, device=q.device)
+        ctx_ok = ctx_ok & (j >= a + off[:, None] - (window - 1))
+        causal = off[None, :] <= off[:, None]  # [query offset, key offset]
+        s_own = s_own.masked_fill(~causal, float("-inf"))
+    s_ctx = s_ctx.masked_fill(~ctx_ok, float("-inf"))
     p = torch.cat([s_ctx, s_own], dim=-1).softmax(dim=-1)
     out = torch.einsum("bhkqt,bhtd->bhkqd", p[..., :T], v_ctx) + torch.einsum(
         "bhkqj,bhkjd->bhkqd", p[..., T:], v_blk

@@ -8,9 +8,8 @@ Interface (the contract with the trainer; keep it):
     DFlashDrafter(cfg, target_config, embed_tokens, lm_head)
       .forward(input_ids, target_hidden, loss_mask, anchors) -> DraftOutput
       .propose(target_hidden, last_token) -> LongTensor [N, B-1]   (greedy block, for eval)
-    sample_anchors(loss_mask, lengths, num_anchors, block_size, generator) -> LongTensor [B, K]
-      K = min(num_anchors, T): the width depends on the padded length only (stable shapes);
-      callers pass DrafterConfig.anchors_for(T) (num_anchors scaled to the bucket's length)
+    sample_anchors(loss_mask, lengths, num_anchors, generator) -> LongTensor [B, K]
+      K = min(num_anchors, T - 1): the same number of anchors in every row of every bucket
     block_labels(input_ids, loss_mask, anchors, block_size) -> (labels, label_mask)  [B, K*bs]
     DFlashDrafter.block_hidden(input_ids, target_hidden, anchors) -> [B, K*bs, H]
     DFlashDrafter.variants() -> the attention windows in use (None = full): pass
@@ -20,25 +19,32 @@ Beyond that interface: DrafterConfig also has
 ``num_target_layers`` / ``target_layer_ids`` (which target layers; () = DFlash's rule),
 ``flex_tile`` and ``attention_backend`` ("auto" = flex on CUDA, blockwise on CPU: torch
 2.13 has no flex backward on CPU); DraftOutput also has ``correct_per_offset`` and
-``count_per_offset`` (to aggregate accuracy over steps or ranks). MASK is a learned
-embedding, not a token id.
+``count_per_offset`` (to aggregate accuracy over steps or ranks). ``mask_token_id`` is the
+reserved token whose frozen target embedding fills the block (``resolve_mask_token_id``).
 
 Model. ``target_hidden`` [B, T, n*H] (the n chosen target layers, concatenated on the
 feature axis, see ``target_context``) -> Linear(n*H -> H, no bias) -> RMSNorm = the fused
-context. Each anchor ``a`` gets a block ``[x_a, MASK x (B-1)]``: ``x_a`` embedded with the
-target's frozen embedding, MASK = one dedicated *learned* embedding vector (a parameter of
-the drafter, initialised to the mean of the target's embedding rows; no token id is
-reserved, so any tokenizer works). The blocks pass N decoder layers (RMSNorm, GQA attention
-with per-head q/k RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the
-target's hidden size and head layout. Each layer's queries come from the block tokens; its
-keys/values from [fused context ; block tokens] through the layer's own k/v projections
-(the context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
+context. Each anchor ``a`` gets a block ``[x_a, MASK x (B-1)]``, all of it embedded with the
+target's frozen embedding: MASK is the token ``cfg.mask_token_id``, not a learned vector.
+This is the reference scheme (z-lab/dflash ``dflash/model.py``: ``dflash_generate`` fills the
+block with ``model.mask_token_id`` and embeds it with the target's input embeddings; SpecForge
+``specforge/algorithms/common/dflash_family_model.py``: ``_create_noise_embed``), and the
+serving engines load no MASK weight (SGLang ``python/sglang/srt/models/dflash.py`` ignores
+unknown weights; vLLM ``vllm/model_executor/models/qwen3_dflash.py`` embeds
+``dflash_config.mask_token_id`` through the target's table), so a learned vector would not
+leave the trainer. The blocks pass N decoder layers (RMSNorm, GQA attention with per-head q/k
+RMSNorm and RoPE as in Qwen3, SwiGLU MLP, pre-norm residuals) at the target's hidden size with
+``drafter_layout``'s heads and MLP width. Each layer's queries come from the block tokens; its
+keys/values from [fused context ; block tokens] through the layer's own k/v projections (the
+context is not updated across layers). Visibility: ``training/model/attention.py``. RoPE
 positions: context ``j`` -> ``j``; block offset ``i`` of anchor ``a`` -> ``a + i``. A final
 RMSNorm, then the target's frozen lm_head; offset ``i >= 1`` predicts the token at ``a + i``
 (loss: ``training/model/loss.py``).
 
-Layers listed in ``cfg.full_attention_layers`` see all context before the anchor; the others
-see the last ``cfg.sliding_window`` context tokens before it.
+Layers listed in ``cfg.full_attention_layers`` see all context before the anchor and their
+whole block both ways; the others are sliding layers: a per-token window of
+``cfg.sliding_window`` tokens, causal inside the block (the rule and its sources:
+``training/model/attention.py``). ``layer_types()`` names them as the exported config does.
 
 The shared ``embed_tokens`` and ``lm_head`` are held by reference, NOT registered as
 submodules: they are not in ``parameters()`` / ``state_dict()`` (checkpoints hold only the
@@ -58,7 +64,7 @@ from torch import Tensor, nn
 
 from training.config import DrafterSection
 from training.model import attention
-from training.model.loss import block_loss, tau_from_accuracy
+from training.model.loss import block_loss
 
 _RUN = DrafterSection()  # the run config's defaults: one default per value
 
@@ -76,24 +82,19 @@ class DrafterConfig:
     gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
     loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = _RUN.rope_theta
     num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
     target_layer_ids: tuple[int, ...] = _RUN.target_layer_ids  # explicit layers; () = select_target_layers
     flex_tile: int = 128  # flex BlockMask tile (sparsity granularity)
     attention_backend: str = "auto"  # auto (flex on CUDA, blockwise on CPU) | flex | blockwise | dense
-    # The sequence length num_anchors is meant for (the data's max_length; 0 = every length).
-    # A bucket padded to T draws anchors_for(T) = ceil(num_anchors * T / anchor_length): the
-    # same anchor density at every length, so a batch of many short rows does not carry
-    # num_anchors * block_size query tokens per row (12 rows x 512 x 16 at T=1344 ran a
-    # 140 GiB H200 out of memory where 4 rows at T=4096 take 60 GiB).
-    anchor_length: int = 0
-
-    def anchors_for(self, padded_length: int) -> int:
-        """Anchors per row for a batch padded to ``padded_length`` (at least 1)."""
-        t = int(padded_length)
-        if self.anchor_length <= 0 or t >= self.anchor_length:
-            return max(1, min(self.num_anchors, t))
-        return max(1, min(t, -(-self.num_anchors * t // self.anchor_length)))
+    # The reserved token whose target embedding is MASK; -1 = not resolved yet (the trainer
+    # resolves it with resolve_mask_token_id before building the drafter).
+    mask_token_id: int = _RUN.mask_token_id
+    # The drafter's head layout and MLP width (0 = the target's; see drafter_layout).
+    num_attention_heads: int = _RUN.num_attention_heads
+    num_key_value_heads: int = _RUN.num_key_value_heads
+    head_dim: int = _RUN.head_dim
+    intermediate_size: int = _RUN.intermediate_size
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -115,6 +116,19 @@ class DrafterConfig:
             )
         if self.gamma <= 0:
             raise ValueError(f"drafter.gamma={self.gamma} must be > 0")
+        sliding = len(set(self.full_attention_layers)) < self.num_layers
+        if sliding and self.sliding_window < self.block_size:
+            raise ValueError(
+                f"drafter.sliding_window={self.sliding_window} must be >= drafter.block_size="
+                f"{self.block_size}: the window counts the block's own tokens"
+            )
+
+    def layer_types(self) -> list[str]:
+        """Per layer ``full_attention`` or ``sliding_attention`` (the exported ``layer_types``)."""
+        return [
+            "full_attention" if i in self.full_attention_layers else "sliding_attention"
+            for i in range(self.num_layers)
+        ]
 
     def resolved_target_layers(self, num_hidden_layers: int) -> list[int]:
         """The target layer ids this drafter reads from a target with ``num_hidden_layers``."""
@@ -135,7 +149,7 @@ class DraftOutput:
 
     loss: Tensor  # scalar, differentiable
     acc_per_offset: Tensor  # [B-1] float, offsets 1..B-1
-    tau_estimate: float  # 1 + sum_k prod_{j<=k} acc_j (see loss.tau_from_accuracy)
+    tau_estimate: float  # 1 + mean accepted length per block (loss.accept_lengths)
     num_tokens: int  # labelled positions in the loss
     correct_per_offset: Tensor  # [B-1] long (sum across steps/ranks, then divide by count)
     count_per_offset: Tensor  # [B-1] long
@@ -272,6 +286,35 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def drafter_layout(target_config: Any, cfg: DrafterConfig | None = None) -> dict[str, int]:
+    """The drafter's width and head layout. The width is the target's hidden size (the drafter
+    shares its embedding and lm_head; ``fc`` maps n x hidden -> hidden); heads, KV heads,
+    head_dim and MLP width are ``cfg``'s where set (a published drafter's own layout, e.g.
+    z-lab's Qwen3.6 drafters: 32 heads of 128, 8 KV heads) and the target's where 0."""
+    tc = _text_config(target_config)
+    hidden = int(tc.hidden_size)
+    heads = int(tc.num_attention_heads)
+    layout = {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
+        "intermediate_size": int(tc.intermediate_size),
+    }
+    if cfg is not None:
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(cfg, key) > 0:
+                layout[key] = int(getattr(cfg, key))
+        if not cfg.num_key_value_heads and cfg.num_attention_heads:
+            layout["num_key_value_heads"] = min(layout["num_key_value_heads"], layout["num_attention_heads"])
+    if layout["num_attention_heads"] % layout["num_key_value_heads"]:
+        raise ValueError(
+            f"drafter.num_attention_heads={layout['num_attention_heads']} must be a multiple of "
+            f"drafter.num_key_value_heads={layout['num_key_value_heads']}"
+        )
+    return layout
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (see the module docstring)."""
 
@@ -281,11 +324,10 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         tc = _text_config(target_config)
         self.cfg = cfg
-        self.hidden_size = int(tc.hidden_size)
-        heads = int(tc.num_attention_heads)
-        kv_heads = int(getattr(tc, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(tc, "head_dim", None) or self.hidden_size // heads)
-        inter = int(tc.intermediate_size)
+        layout = drafter_layout(target_config, cfg)
+        self.hidden_size = layout["hidden_size"]
+        heads, kv_heads = layout["num_attention_heads"], layout["num_key_value_heads"]
+        head_dim, inter = layout["head_dim"], layout["intermediate_size"]
         self.head_dim = head_dim
         self.target_layer_ids = cfg.resolved_target_layers(int(tc.num_hidden_layers))
         n = len(self.target_layer_ids)
@@ -297,7 +339,12 @@ class DFlashDrafter(nn.Module):
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(self.hidden_size, eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(self.hidden_size))
+        rows = int(embed_tokens.weight.shape[0])
+        if not 0 <= cfg.mask_token_id < rows:
+            raise ValueError(
+                f"drafter.mask_token_id={cfg.mask_token_id}: must be a row of the target's embedding "
+                f"(0..{rows - 1}); set drafter.mask_token_id to the tokenizer's reserved mask token"
+            )
         self.windows: list[int | None] = [
             None if i in cfg.full_attention_layers else cfg.sliding_window for i in range(cfg.num_layers)
         ]
@@ -316,15 +363,12 @@ class DFlashDrafter(nn.Module):
         return self._shared[1]
 
     def reset_parameters(self) -> None:
-        """Qwen3-style init: linears N(0, 0.02), norms 1; MASK = mean target embedding."""
+        """Qwen3-style init: linears N(0, 0.02), norms 1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        with torch.no_grad():
-            mean = self.embed_tokens.weight.detach().float().mean(dim=0)
-            self.mask_embedding.copy_(mean.to(self.mask_embedding.device, self.mask_embedding.dtype))
 
     def variants(self) -> list[int | None]:
         """The distinct attention windows (None = full): one BlockMask / compiled shape each."""
@@ -337,9 +381,9 @@ class DFlashDrafter(nn.Module):
         bsz, k = first_tokens.shape
         bs = self.cfg.block_size
         T = ctx.shape[1]
-        first = self.embed_tokens(first_tokens)  # [B, K, H]
-        mask = self.mask_embedding.to(first.dtype).expand(bsz, k, bs - 1, self.hidden_size)
-        h = torch.cat([first[:, :, None, :], mask], dim=2).reshape(bsz, k * bs, self.hidden_size)
+        ids = torch.full((bsz, k, bs), self.cfg.mask_token_id, dtype=torch.long, device=first_tokens.device)
+        ids[:, :, 0] = first_tokens
+        h = self.embed_tokens(ids.reshape(bsz, k * bs))  # [B, K*bs, H]: [x_a, MASK, ..., MASK]
         h = h.to(self.fc.weight.dtype)  # the residual stream in the drafter's dtype (fp32 under autocast)
         offs = torch.arange(bs, device=anchors.device)
         q_pos = (anchors.clamp(min=0)[:, :, None] + offs).reshape(bsz, k * bs)
@@ -390,7 +434,7 @@ class DFlashDrafter(nn.Module):
         return DraftOutput(
             loss=result.loss,
             acc_per_offset=acc,
-            tau_estimate=tau_from_accuracy(acc),
+            tau_estimate=result.tau_estimate,
             num_tokens=int(result.count.sum().item()),
             correct_per_offset=result.correct,
             count_per_offset=result.count,
@@ -438,29 +482,30 @@ def block_labels(
 
 
 def sample_anchors(
-    loss_mask: Tensor, lengths: Tensor, num_anchors: int, block_size: int, generator: torch.Generator | None
+    loss_mask: Tensor, lengths: Tensor, num_anchors: int, generator: torch.Generator | None
 ) -> Tensor:
-    """Random anchors per row: LongTensor [B, min(num_anchors, T)], ascending, -1 padded.
+    """Random anchors per row: LongTensor [B, min(num_anchors, T - 1)], ascending, -1 padded.
 
-    An anchor ``a`` is eligible when ``a + 1 < length`` and at least one of its block's
-    targets ``a+1 .. min(a+B-1, length-1)`` has loss. Each row draws
-    ``min(num_anchors, eligible)`` distinct anchors uniformly without replacement, so
-    anchors closer than ``block_size`` occur. The width depends only on the padded length
-    ``T`` (stable shapes per bucket). Drawn on the CPU from ``generator`` (reproducible,
-    resumable), returned on ``loss_mask``'s device.
+    SpecForge's rule (``specforge/algorithms/common/dflash_family_model.py``,
+    ``_sample_anchor_positions``): an anchor ``a`` is eligible when ``a <= T - 2`` and both
+    ``loss_mask[a]`` and ``loss_mask[a + 1]`` are set (and ``a + 1 < length``); each row draws
+    ``min(num_anchors, eligible)`` distinct anchors uniformly without replacement (anchors
+    closer than ``block_size`` occur). Every row of every bucket has the same width
+    ``min(num_anchors, T - 1)`` (stable compiled shapes): the drafter's memory then grows with
+    the rows of a micro-batch, which ``data.max_batch_size`` caps, not with fewer anchors.
+    Drawn on the CPU from ``generator`` (reproducible, resumable), returned on
+    ``loss_mask``'s device.
     """
     bsz, T = loss_mask.shape
-    width = min(int(num_anchors), T)
+    candidates = max(T - 1, 1)
+    width = max(1, min(int(num_anchors), candidates))
     lm = loss_mask.detach().to("cpu").bool()
     lens = lengths.detach().to("cpu").long().clamp(max=T)
-    pos = torch.arange(T)
-    # has_loss[a] = any(lm[a+1 .. a+B-1]) via a prefix sum.
-    csum = torch.cat([torch.zeros(bsz, 1, dtype=torch.long), lm.long().cumsum(1)], dim=1)  # [B, T+1]
-    lo = (pos + 1).clamp(max=T)
-    hi = (pos + block_size).clamp(max=T)
-    has_loss = (csum[:, hi] - csum[:, lo]) > 0
-    eligible = has_loss & (pos[None, :] + 1 < lens[:, None])
-    scores = torch.rand(bsz, T, generator=generator)
+    pos = torch.arange(candidates)
+    eligible = torch.zeros(bsz, candidates, dtype=torch.bool)
+    if T >= 2:
+        eligible = lm[:, : T - 1] & lm[:, 1:T] & (pos[None, :] + 1 < lens[:, None])
+    scores = torch.rand(bsz, candidates, generator=generator)
     scores = scores.masked_fill(~eligible, 2.0)
     picked_scores, picked = scores.topk(width, dim=1, largest=False)
     taken = picked_scores < 2.0
@@ -468,3 +513,34 @@ def sample_anchors(
     ordered = key.sort(dim=1).values
     anchors = torch.where(ordered < T, ordered, torch.full_like(ordered, -1))
     return anchors.to(loss_mask.device)
+
+
+def resolve_mask_token_id(explicit: int, tokenizer: Any, target_config: Any) -> int:
+    """The MASK token id: ``explicit`` (``drafter.mask_token_id``) when >= 0, else the target
+    config's ``mask_token_id``, else the tokenizer's ``mask_token``, else the first embedding
+    row no token of the tokenizer uses (``len(tokenizer)``, when the embedding has spare rows:
+    z-lab's Qwen3 drafters use 151669 = the size of Qwen3's tokenizer, with 151936 rows).
+    Raises ValueError (one line) when none applies or the id is not an embedding row."""
+    rows = int(_text_config(target_config).vocab_size)
+    source = "drafter.mask_token_id"
+    value = int(explicit)
+    if value < 0:
+        from_config = getattr(target_config, "mask_token_id", None)
+        from_config = getattr(_text_config(target_config), "mask_token_id", from_config)
+        from_tokenizer = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+        if from_config is not None:
+            value, source = int(from_config), "the target config's mask_token_id"
+        elif from_tokenizer is not None:
+            value, source = int(from_tokenizer), "the tokenizer's mask_token"
+        elif tokenizer is not None and len(tokenizer) < rows:
+            value, source = len(tokenizer), "the first embedding row past the tokenizer"
+        else:
+            raise ValueError(
+                "drafter.mask_token_id: the tokenizer has no mask token and the embedding no spare row; "
+                "set drafter.mask_token_id to a reserved token id"
+            )
+    if not 0 <= value < rows:
+        raise ValueError(
+            f"drafter.mask_token_id={value} (from {source}) is not a row of the {rows}-row embedding"
+        )
+    return value

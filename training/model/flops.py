@@ -170,15 +170,19 @@ class DrafterShape:
         """From a transformers config and anything with the drafter's ``num_layers``,
         ``block_size``, ``sliding_window`` and ``full_attention_layers`` (DrafterConfig or the run
         config's [drafter] section); ``target_layers``: how many target layers it fuses."""
+        from training.model.drafter import drafter_layout
+
         t = TargetShape.from_config(target_config)
         full = set(drafter.full_attention_layers)
         windows = tuple(None if i in full else int(drafter.sliding_window) for i in range(drafter.num_layers))
+        # The drafter's own head layout and MLP width where its config sets them (the target's where 0).
+        own = drafter_layout(target_config, drafter if hasattr(drafter, "num_attention_heads") else None)
         return cls(
             hidden=t.hidden,
-            heads=t.heads,
-            kv_heads=t.kv_heads,
-            head_dim=t.head_dim,
-            intermediate=t.intermediate,
+            heads=own["num_attention_heads"],
+            kv_heads=own["num_key_value_heads"],
+            head_dim=own["head_dim"],
+            intermediate=own["intermediate_size"],
             vocab=t.vocab,
             target_layers=int(target_layers),
             block_size=int(drafter.block_size),

@@ -14,6 +14,12 @@ whole [tokens x vocab] matrix. Logits are computed in float32 for the softmax.
 
 Accuracy per offset: the share of labelled positions at offset ``k`` whose argmax equals
 the label; offsets with no labelled position report 0.
+
+Acceptance estimate: per block, the length of its run of correct argmaxes from offset 1
+(unlabelled offsets count as correct, so a block cut by the sequence end is not penalised),
+as SpecForge's ``compute_accept_len`` (``specforge/algorithms/common/dflash_family_model.py``:
+``(pred == target) | ~valid``, ``cumprod``, times ``valid``, summed); ``tau = 1 + mean over
+blocks``. Unlike a product of per-offset accuracies, this keeps which drafts fail together.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ class BlockLoss:
     loss: Tensor  # scalar, differentiable
     correct: Tensor  # [B-1] long: argmax == label, per offset
     count: Tensor  # [B-1] long: labelled positions, per offset
+    accepted: int = 0  # sum over blocks of the accepted length (module docstring)
+    blocks: int = 0  # blocks with a labelled offset 1
+
+    @property
+    def tau_estimate(self) -> float:
+        """1 + the mean accepted length per block (1.0 with no block)."""
+        return 1.0 + self.accepted / max(self.blocks, 1)
 
     @property
     def acc_per_offset(self) -> Tensor:
@@ -117,4 +130,18 @@ def block_loss(
     correct_flags = torch.cat(correct_parts)
     correct = torch.bincount(flat_off[correct_flags] - 1, minlength=block_size - 1)[: block_size - 1]
     loss = total / flat_w.sum()
-    return BlockLoss(loss=loss, correct=correct, count=count)
+    accepted, blocks = accept_lengths(mask, correct_flags, block_size)
+    return BlockLoss(loss=loss, correct=correct, count=count, accepted=accepted, blocks=blocks)
+
+
+def accept_lengths(mask: Tensor, correct_flags: Tensor, block_size: int) -> tuple[int, int]:
+    """(sum of accepted lengths, blocks counted): ``mask`` [N, K*B] labelled positions (offset 0
+    False), ``correct_flags`` [M] argmax == label of the labelled positions in ``mask`` order."""
+    n, q_len = mask.shape
+    grid = torch.zeros(n, q_len, dtype=torch.bool, device=mask.device)
+    grid[mask] = correct_flags.to(mask.device)
+    valid = mask.view(n, q_len // block_size, block_size)[..., 1:]
+    ok = grid.view(n, q_len // block_size, block_size)[..., 1:] | ~valid
+    run = ok.long().cumprod(dim=-1) * valid.long()
+    counted = valid[..., 0]  # a block whose first draft is labelled
+    return int(run.sum(dim=-1)[counted].sum().item()), int(counted.sum().item())

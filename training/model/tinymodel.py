@@ -33,6 +33,8 @@ _CORPUS = DataSection()  # the default corpus's chunking (data.corpus_chunk_line
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_TOKENS = ("<think>", "</think>")
+# The drafter's MASK token (DFlash embeds it with the target's embedding; never in the data).
+MASK_TOKEN = "<|mask|>"
 
 # ChatML, as Qwen models use it; every rendering of messages[:i] is a prefix of messages[:i+1].
 CHAT_TEMPLATE = (
@@ -100,7 +102,7 @@ def tiny_key(model: ModelSection, corpus_files: int) -> str:
         model.initializer_range,
         corpus_files,
         CORPUS_SHA256,
-        "v2",
+        "v3",  # v3: the tokenizer reserves MASK_TOKEN
     )
     if model.architecture != "qwen3":
         values += (
@@ -117,18 +119,20 @@ def tiny_key(model: ModelSection, corpus_files: int) -> str:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, *, thinking: bool = False) -> Any:
-    """A byte-level BPE tokenizer trained on ``texts`` with ChatML special tokens and template;
-    ``thinking``: also ``<think>``/``</think>`` and the Qwen3.5-style template."""
+    """A byte-level BPE tokenizer trained on ``texts`` with ChatML special tokens and template
+    and a reserved ``mask_token`` (the drafter's MASK); ``thinking``: also ``<think>``/``</think>``
+    and the Qwen3.5-style template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = [*SPECIAL_TOKENS, *(THINK_TOKENS if thinking else ())]
+    trained = [*specials, MASK_TOKEN]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=trained,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -138,6 +142,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, *, thinking: bool = False
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=specials[1:],
+        mask_token=MASK_TOKEN,
     )
     fast.chat_template = QWEN3_5_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE
     return fast

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from training.config import ConfigError
+
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -93,6 +95,20 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         if match:
             found.append((int(match[1]), path))
     return sorted(found)
+
+
+LEARNED_MASK = "mask_embedding"  # what checkpoints of the learned-MASK drafter held
+
+
+def drafter_weights(state: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """The drafter's weights of a checkpoint state; an old learned-MASK checkpoint is refused."""
+    weights = state["drafter"]
+    if LEARNED_MASK in weights:
+        raise ConfigError(
+            f"{where} holds a learned MASK vector (drafter from before MASK became a token id): "
+            "it cannot be resumed or exported; train a new run"
+        )
+    return weights
 
 
 def rng_state() -> dict[str, Any]:

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,14 @@ from training.data.buckets import Position, format_bucket_table
 from training.data.corpus import default_cache_dir
 from training.data.dataset import TrainData, load_tokenized
 from training.events import EventWriter
-from training.model.drafter import DFlashDrafter, DrafterConfig, DraftOutput, sample_anchors
+from training.model.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftOutput,
+    resolve_mask_token_id,
+    sample_anchors,
+)
+from training.model.hf_folder import load_export_into
 from training.model.kernels import (
     TargetKernels,
     autotune_results,
@@ -49,6 +56,7 @@ from training.model.target import check_vocab, describe_layers, layer_types, loa
 from training.run.checkpoint import (
     CheckpointWriter,
     SavedCheckpoint,
+    drafter_weights,
     load_latest,
     remove_stale_temps,
     restore_rng,
@@ -65,24 +73,35 @@ def drafter_config(config: RunConfig) -> DrafterConfig:
     """``DrafterConfig`` from the run config's [drafter] section (matching field names)."""
     known = {f.name for f in fields(DrafterConfig)}
     values = {f.name: getattr(config.drafter, f.name) for f in fields(config.drafter) if f.name in known}
-    values["anchor_length"] = config.data.max_length  # num_anchors is per max_length sequence
     try:
         return DrafterConfig(**values)
     except ValueError as exc:  # DrafterConfig's own checks name the key
         raise ConfigError(f"config key {exc}") from None
 
 
-def anchors_per_row(config: RunConfig, padded_length: int) -> int:
-    """``drafter.num_anchors`` scaled to a batch padded to ``padded_length`` (DrafterConfig.anchors_for)."""
-    return drafter_config(config).anchors_for(padded_length)
+def mask_token_id(config: RunConfig, tokenizer: Any, target_config: Any) -> int:
+    """The run's MASK token id (``drafter.resolve_mask_token_id``); a bad one is a ConfigError."""
+    try:
+        return resolve_mask_token_id(config.drafter.mask_token_id, tokenizer, target_config)
+    except ValueError as exc:
+        raise ConfigError(f"config key {exc}") from None
 
 
-def build_drafter(config: RunConfig, target: nn.Module, device: torch.device) -> DFlashDrafter:
-    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed)."""
+def build_drafter(
+    config: RunConfig, target: nn.Module, device: torch.device, tokenizer: Any
+) -> DFlashDrafter:
+    """A fresh drafter sharing the target's frozen embedding and lm_head (seeded by train.seed),
+    or ``drafter.init_from``'s weights (a resume then loads its checkpoint over them)."""
+    cfg = replace(drafter_config(config), mask_token_id=mask_token_id(config, tokenizer, target.config))
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(
-        drafter_config(config), target.config, target.get_input_embeddings(), target.get_output_embeddings()
-    )
+    try:
+        drafter = DFlashDrafter(
+            cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings()
+        )
+    except ValueError as exc:  # a layout the target cannot take (heads vs KV heads)
+        raise ConfigError(f"config key {exc}") from None
+    if config.drafter.init_from:
+        load_export_into(drafter, Path(config.drafter.init_from))
     return drafter.to(device)
 
 
@@ -159,11 +178,7 @@ def batch_anchors(
     """The anchors of the batch taken at ``position`` (on ``loss_mask``'s device): the same
     anchors on every driver and after a resume, since they depend on the position only."""
     return sample_anchors(
-        loss_mask,
-        lengths,
-        anchors_per_row(config, loss_mask.shape[1]),
-        config.drafter.block_size,
-        anchor_generator(config.train.seed, position),
+        loss_mask, lengths, config.drafter.num_anchors, anchor_generator(config.train.seed, position)
     )
 
 
@@ -282,8 +297,10 @@ def checkpoint_state(
     **extra: Any,
 ) -> dict[str, Any]:
     """What a checkpoint holds besides its step and RNG states (``save_checkpoint`` adds those)."""
+    own = getattr(drafter, "module", drafter)  # DDP wraps the drafter on drafter ranks
     return {
-        "drafter": drafter.state_dict(),
+        "drafter": own.state_dict(),
+        "mask_token_id": int(own.cfg.mask_token_id),  # what the export writes
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "position": (position.epoch, position.index),
@@ -366,7 +383,7 @@ def resume(
     state = load_latest(run_dir, map_location=map_location)
     if state is None:
         return None
-    drafter.load_state_dict(state["drafter"])
+    drafter.load_state_dict(drafter_weights(state, state["path"]))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     resumed = Resumed(

@@ -262,7 +262,7 @@ class DrafterWorker(Worker):
         folder, self.tokenizer, data = self.prepare_shared()
         target, _ = core.load_run_target(cfg, folder, self.tokenizer, None)  # only embedding and lm_head kept
         self.events.phase("load_drafter")
-        drafter = core.build_drafter(cfg, target, ctx.device)
+        drafter = core.build_drafter(cfg, target, ctx.device, self.tokenizer)
         del target
         gc.collect()
         if ctx.device.type == "cuda":
@@ -496,6 +496,11 @@ def _check_pipeline(config: RunConfig) -> None:
         raise ConfigError(f"config key pipeline.credits: must be >= 1, got {p.credits}")
     if p.timeout_s <= 0 or p.balance_window_s <= 0:
         raise ConfigError("config keys pipeline.timeout_s and pipeline.balance_window_s must be > 0")
+    if config.eval.every:  # acceptance eval needs the target next to the drafter (module docstring)
+        raise ConfigError(
+            f"config key eval.every={config.eval.every}: an N+M run has no in-run acceptance eval; "
+            "set eval.every = 0 and run `python -m training eval --run-dir DIR` (or on a checkpoint's export)"
+        )
 
 
 def train_distributed(config_name: str, run_dir: Path, overrides: list[str], topology_text: str) -> int:

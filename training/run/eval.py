@@ -18,10 +18,14 @@ this measures what speculative decoding would get. Per prompt:
    ``tau``), or the target emits ``eos_token_id`` (an accepted draft or the bonus token;
    a prompt whose prefill token is EOS has no round).
 
-``tau_mean`` is the mean of ``tau`` over all rounds of all prompts; ``hist[i]`` counts the
-rounds with ``tau == i + 1`` (length B). The target is re-run on the whole sequence each
-round (no KV cache): slower, but correct for every architecture, including hybrid targets
-whose linear-attention state cannot be rolled back to the accepted prefix.
+``tau_mean`` is the mean of ``tau`` over all rounds of all prompts (per round);
+``tau_prompt_mean`` is each prompt's mean ``tau`` averaged over prompts, as z-lab/dflash's
+benchmark reports it (``dflash_generate`` returns a prompt's ``acceptance_lengths``; the figure
+is their mean per prompt, then over prompts), so a long generation does not outweigh short
+ones. ``hist[i]`` counts the rounds with ``tau == i + 1`` (length B). The target is re-run
+on the whole sequence each round (no KV cache): slower, but correct for every architecture,
+including hybrid targets whose linear-attention state cannot be rolled back to the accepted
+prefix.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from training.model.drafter import DFlashDrafter, target_context
 class AcceptanceResult:
     """Measured acceptance over a set of prompts (definitions in the module docstring)."""
 
-    tau_mean: float
+    tau_mean: float  # per round
     hist: tuple[int, ...]  # hist[i] = rounds with tau == i + 1; len == block size
     rounds: int
     prompts: int
     new_tokens: int
+    tau_per_prompt: tuple[float, ...] = ()  # each evaluated prompt's mean tau
+    tau_prompt_mean: float = 0.0  # mean of tau_per_prompt
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -109,6 +115,7 @@ def evaluate_acceptance(
     bs = drafter.cfg.block_size
     hist = [0] * bs
     new_tokens = 0
+    per_prompt: list[float] = []
     was_training = drafter.training
     drafter.eval()
     try:
@@ -118,6 +125,7 @@ def evaluate_acceptance(
             greedy, hidden = _target_pass(target, prefix, target_layer_ids)
             anchor = greedy[-1]
             produced = 0
+            taus: list[int] = []
             if eos_token_id is not None and int(anchor.item()) == eos_token_id:
                 continue
             while produced < max_new_tokens:
@@ -125,6 +133,7 @@ def evaluate_acceptance(
                     target, drafter, prefix, hidden, anchor, target_layer_ids
                 )
                 hist[tau - 1] += 1
+                taus.append(tau)
                 produced += tau
                 emitted = prefix[-(tau - 1) :] if tau > 1 else prefix[:0]
                 if eos_token_id is not None and (
@@ -132,10 +141,17 @@ def evaluate_acceptance(
                 ):
                     break
             new_tokens += produced
+            per_prompt.append(sum(taus) / len(taus))
     finally:
         drafter.train(was_training)
     rounds = sum(hist)
     tau_mean = sum((i + 1) * c for i, c in enumerate(hist)) / max(rounds, 1)
     return AcceptanceResult(
-        tau_mean=tau_mean, hist=tuple(hist), rounds=rounds, prompts=len(prompts), new_tokens=new_tokens
+        tau_mean=tau_mean,
+        hist=tuple(hist),
+        rounds=rounds,
+        prompts=len(prompts),
+        new_tokens=new_tokens,
+        tau_per_prompt=tuple(per_prompt),
+        tau_prompt_mean=sum(per_prompt) / max(len(per_prompt), 1),
     )

@@ -94,7 +94,7 @@ class Trainer:
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
 
         self._phase("load_drafter")
-        self.drafter = core.build_drafter(cfg, self.target, self.device)
+        self.drafter = core.build_drafter(cfg, self.target, self.device, self.tokenizer)
         self.layer_ids = list(self.drafter.target_layer_ids)
         count = sum(p.numel() for p in core.trainable_parameters(self.drafter))
         print0(
@@ -223,10 +223,13 @@ class Trainer:
             tau_mean=result.tau_mean,
             tau_hist=list(result.hist),
             tau_estimate=self.last_tau,
+            tau_prompt_mean=result.tau_prompt_mean,
         )
-        self.logger.log({"eval/tau_mean": result.tau_mean, "eval/tau_estimate": self.last_tau}, self.step)
+        logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
+        self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
         print0(
-            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} (training estimate {self.last_tau:.3f}) "
+            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} per round, "
+            f"{result.tau_prompt_mean:.3f} per prompt (training estimate {self.last_tau:.3f}) "
             f"over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
             f"({time.monotonic() - t0:.1f}s)"
         )
@@ -318,12 +321,18 @@ def train(config_name: str, run_dir: Path, overrides: list[str]) -> int:
         trainer.close()
 
 
-def evaluate_run(config: RunConfig, run_dir: Path) -> None:
-    """``python -m training eval``: the newest checkpoint of ``run_dir`` against its target."""
+def evaluate_run(config: RunConfig, run_dir: Path, export: Path | None = None) -> None:
+    """``python -m training eval``: the newest checkpoint of ``run_dir`` (or the exported folder
+    ``export``: same target, prompts and settings) against its target."""
     trainer = Trainer(config, run_dir, eval_only=True)
     try:
         trainer.setup(quiet_data=True)
-        if trainer.step == 0:
+        if export is not None:
+            from training.export import load_export_into
+
+            load_export_into(trainer.drafter, export)
+            print0(f"Loaded the exported drafter {export}")
+        elif trainer.step == 0:
             print0(f"eval: no checkpoint in {trainer.run_dir}/checkpoints; evaluating an untrained drafter")
         trainer.evaluate()
     finally:

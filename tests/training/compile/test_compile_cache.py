@@ -332,7 +332,12 @@ def test_prewarm_steps_every_shape_and_leaves_weights_grads_and_rng_alone() -> N
     )
     target = StandInTarget(shape_cfg, torch.device("cpu"), torch.float32)
     cfg = DrafterConfig(
-        num_layers=2, block_size=4, num_anchors=4, sliding_window=8, full_attention_layers=(1,)
+        num_layers=2,
+        block_size=4,
+        num_anchors=4,
+        sliding_window=8,
+        full_attention_layers=(1,),
+        mask_token_id=49,
     )
     drafter = DFlashDrafter(cfg, shape_cfg, target.get_input_embeddings(), target.get_output_embeddings())
     before = {k: v.clone() for k, v in drafter.state_dict().items()}

@@ -20,7 +20,7 @@ def _cases(seed: int, count: int) -> list[tuple[torch.Tensor, int, int, int | No
         T = int(torch.randint(1, 70, (1,), generator=g))
         k = int(torch.randint(1, 9, (1,), generator=g))
         bs = [2, 4, 5][i % 3]
-        window = [None, 1, 3, 8][i % 4]
+        window = [None, bs, bs + 1, 8][i % 4]  # a sliding window holds at least the block
         anchors = torch.randint(-1, T, (2, k), generator=g)
         anchors[0, 0] = max(T - 1, 0)
         if k > 1:
@@ -30,19 +30,30 @@ def _cases(seed: int, count: int) -> list[tuple[torch.Tensor, int, int, int | No
 
 
 def _hand_rule(anchors: torch.Tensor, T: int, bs: int, window: int | None) -> torch.Tensor:
-    """The rule of the module docstring, one element at a time (loops, no tensor algebra)."""
+    """What a serving engine applies to one layer, one element at a time, in absolute positions.
+
+    z-lab/dflash ``dflash/model.py`` (``_attention_mask``) and SGLang/vLLM: the block of anchor
+    ``a`` decodes at positions ``a..a+B-1`` after a cache holding the context ``0..a-1``. A full
+    layer (window None) is not causal: every block token sees the whole cache and the whole
+    block. A sliding layer is causal with ``query_pos - key_pos < window``.
+    """
     b_, k = anchors.shape
     q_len = k * bs
     out = torch.zeros(b_, q_len, T + q_len, dtype=torch.bool)
     for b in range(b_):
         for q in range(q_len):
             a = int(anchors[b, q // bs])
+            q_pos = a + q % bs
             for j in range(T + q_len):
-                if j < T:
-                    ok = j < a and (window is None or j >= a - window)
+                in_cache = j < T and j < a  # context strictly before the anchor
+                in_block = j >= T and (j - T) // bs == q // bs
+                if not (in_cache or in_block):
+                    continue
+                k_pos = j if j < T else a + (j - T) % bs
+                if window is None:
+                    out[b, q, j] = True
                 else:
-                    ok = (j - T) // bs == q // bs
-                out[b, q, j] = ok
+                    out[b, q, j] = k_pos <= q_pos and q_pos - k_pos < window
     return out
 
 
@@ -65,7 +76,19 @@ def test_hand_case_anchor_context_is_strictly_before() -> None:
     )
     assert torch.equal(m[0], expected)
     w = A.dense_block_mask(torch.tensor([[3]]), 5, 2, 2)
-    assert w[0, 0, :5].tolist() == [False, True, True, False, False]
+    # sliding window 2: offset 0 (position 3) sees context 2 and itself; offset 1 (position 4)
+    # sees no context, offset 0 and itself (causal inside the block, per-token window)
+    assert w[0].int().tolist() == [[0, 0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+
+
+def test_each_layer_type_matches_the_engines_rule_for_sliding_and_full() -> None:
+    anchors = torch.tensor([[6, 9, -1]])
+    full = A.dense_block_mask(anchors, 12, 4, None)
+    sliding = A.dense_block_mask(anchors, 12, 4, 5)
+    assert torch.equal(full, _hand_rule(anchors, 12, 4, None))
+    assert torch.equal(sliding, _hand_rule(anchors, 12, 4, 5))
+    # full: the last block token sees the first (both ways); sliding: not the other way round
+    assert bool(full[0, 0, 12 + 3]) and not bool(sliding[0, 0, 12 + 3]) and bool(sliding[0, 3, 12])
 
 
 def _tiles(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from training.model.drafter import (
 )
 
 torch.set_num_threads(2)
+MASK_ID = 255  # a row of the tiny target's 256-row embedding that no test sequence uses
 
 
 def tiny_target(seed: int = 0) -> Qwen3ForCausalLM:
@@ -32,6 +33,7 @@ def tiny_drafter(target: Qwen3ForCausalLM, **overrides: object) -> DFlashDrafter
         "full_attention_layers": (1,),
         "num_target_layers": 2,
         "loss_chunk_size": 16,
+        "mask_token_id": MASK_ID,
     }
     fields.update(overrides)
     cfg = DrafterConfig(**fields)  # type: ignore[arg-type]
@@ -74,29 +76,48 @@ def test_block_labels_by_hand() -> None:
     assert mask[0].tolist() == [False, True, True, False, False, False, False, False, False]
 
 
-def test_sample_anchors_are_eligible_distinct_sorted_and_reproducible() -> None:
-    T, bs = 40, 4
+def test_sample_anchors_follow_specforge_a_fixed_number_per_row() -> None:
+    """Eligible = a <= T-2 with loss on a and a+1 (SpecForge's _sample_anchor_positions); the
+    same width in every row; before, a block only needed loss somewhere in a+1..a+B-1."""
+    T = 40
     loss_mask = torch.zeros(3, T, dtype=torch.bool)
     loss_mask[0, 20:30] = True  # completion-only loss
     loss_mask[1, :] = True
     loss_mask[2, 5:7] = True
     lengths = torch.tensor([35, 12, 40])
-    a1 = sample_anchors(loss_mask, lengths, 16, bs, torch.Generator().manual_seed(5))
-    a2 = sample_anchors(loss_mask, lengths, 16, bs, torch.Generator().manual_seed(5))
+    a1 = sample_anchors(loss_mask, lengths, 16, torch.Generator().manual_seed(5))
+    a2 = sample_anchors(loss_mask, lengths, 16, torch.Generator().manual_seed(5))
     assert torch.equal(a1, a2) and a1.shape == (3, 16) and a1.dtype == torch.long
     for row in range(3):
         got = [a for a in a1[row].tolist() if a >= 0]
         eligible = [
             a
-            for a in range(T)
-            if a + 1 < int(lengths[row]) and bool(loss_mask[row, a + 1 : min(a + bs, T)].any())
+            for a in range(T - 1)
+            if a + 1 < int(lengths[row]) and bool(loss_mask[row, a]) and bool(loss_mask[row, a + 1])
         ]
         assert got == sorted(set(got)) and set(got) <= set(eligible)
         assert len(got) == min(16, len(eligible))
         assert a1[row].tolist()[len(got) :] == [-1] * (16 - len(got))
-    assert [a for a in a1[2].tolist() if a >= 0] == [2, 3, 4, 5]  # a block reaches loss at 5 or 6
-    wide = sample_anchors(torch.ones(1, 10, dtype=torch.bool), torch.tensor([10]), 512, bs, None)
-    assert wide.shape == (1, 10) and wide[0].tolist()[:9] == list(range(9))  # capped; all closer than B
+    assert [a for a in a1[2].tolist() if a >= 0] == [5]  # the only a with loss on a and a+1
+    assert len([a for a in a1[0].tolist() if a >= 0]) == 9  # 20..28
+    wide = sample_anchors(torch.ones(1, 10, dtype=torch.bool), torch.tensor([10]), 512, None)
+    assert wide.shape == (1, 9) and wide[0].tolist() == list(range(9))  # capped at T-1, closer than B
+
+
+def test_the_anchor_count_is_the_same_in_every_bucket() -> None:
+    """512 anchors per row at T=1344 as at T=4096 (before: ceil(512 * T / max_length) = 168)."""
+    ones = torch.ones(2, 1344, dtype=torch.bool)
+    short = sample_anchors(ones, torch.tensor([1344, 1344]), 512, torch.Generator().manual_seed(0))
+    assert short.shape == (2, 512) and bool((short >= 0).all())
+    from training.config import load_config
+    from training.data.buckets import Position
+    from training.run.core import batch_anchors
+
+    config = load_config("qwen3-8b-h200", [])
+    anchors = batch_anchors(config, ones, torch.tensor([1344, 1344]), Position(epoch=0, index=0))
+    assert anchors.shape == (2, 512)
+    # the memory of many short rows is capped by rows per micro-batch, not by fewer anchors
+    assert config.data.max_batch_size * config.drafter.num_anchors * 16 <= 4 * 512 * 16
 
 
 def test_shared_embedding_and_head_are_frozen_and_not_in_the_state_dict() -> None:
@@ -113,7 +134,7 @@ def test_shared_embedding_and_head_are_frozen_and_not_in_the_state_dict() -> Non
     }
     assert not any(t.data_ptr() in shared for t in state.values())
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
-    assert "mask_embedding" in names and "fc.weight" in names
+    assert "fc.weight" in names and not any("mask" in n for n in names)  # MASK is a token id
     assert drafter.fc.weight.shape == (64, 2 * 64)
     assert not target.get_input_embeddings().weight.requires_grad
     assert all(p.requires_grad for p in drafter.parameters())
@@ -148,12 +169,12 @@ def test_sliding_layers_ignore_context_outside_the_window() -> None:
     th = hidden_of(target, ids, drafter.target_layer_ids)
     anchors = torch.tensor([[20]])
     th2 = th.clone()
-    th2[:, :15] += 3.0  # before the window [15, 20)
+    th2[:, :16] += 3.0  # offset 0 of anchor 20 sees context 16..19 (the window counts the query)
     with torch.no_grad():
         torch.testing.assert_close(
             drafter.block_hidden(ids, th2, anchors), drafter.block_hidden(ids, th, anchors)
         )
-        th2[:, 15] += 3.0
+        th2[:, 16] += 3.0
         assert not torch.allclose(
             drafter.block_hidden(ids, th2, anchors), drafter.block_hidden(ids, th, anchors)
         )
@@ -163,7 +184,7 @@ def test_flex_backend_gives_the_same_loss_as_blockwise() -> None:
     target = tiny_target()
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
     loss_mask = torch.ones(2, 40, dtype=torch.bool)
-    anchors = sample_anchors(loss_mask, torch.tensor([40, 33]), 8, 4, torch.Generator().manual_seed(0))
+    anchors = sample_anchors(loss_mask, torch.tensor([40, 33]), 8, torch.Generator().manual_seed(0))
     losses = []
     for backend in ("blockwise", "flex", "dense"):
         drafter = tiny_drafter(target, attention_backend=backend, flex_tile=16)
@@ -181,7 +202,7 @@ def test_drafter_fits_a_fixed_tiny_batch() -> None:
     ids = torch.randint(0, 256, (2, 48), generator=g)
     loss_mask = torch.ones(2, 48, dtype=torch.bool)
     loss_mask[:, :8] = False
-    anchors = sample_anchors(loss_mask, torch.tensor([48, 48]), 8, 4, g)
+    anchors = sample_anchors(loss_mask, torch.tensor([48, 48]), 8, g)
     th = hidden_of(target, ids, drafter.target_layer_ids)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
@@ -207,25 +228,54 @@ def test_propose_returns_a_block_of_tokens() -> None:
     assert int(draft.min()) >= 0 and int(draft.max()) < 256
 
 
-def test_anchor_count_keeps_the_anchor_density_of_a_max_length_row() -> None:
-    cfg = DrafterConfig(num_anchors=512, anchor_length=4096)
-    assert [cfg.anchors_for(t) for t in (4096, 3200, 1344, 128, 5)] == [512, 400, 168, 16, 1]
-    assert cfg.anchors_for(8192) == 512  # never more than num_anchors
-    # Without a reference length: num_anchors at every length, capped by the row.
-    assert [DrafterConfig(num_anchors=32).anchors_for(t) for t in (4096, 20)] == [32, 20]
-    # Query tokens per batch stay near the long bucket's for the same token budget.
-    budget = 16384
-    queries = {t: (budget // t) * cfg.anchors_for(t) * cfg.block_size for t in (4096, 3200, 1344)}
-    assert max(queries.values()) <= 1.1 * queries[4096], queries
+def test_mask_is_the_targets_embedding_of_the_mask_token() -> None:
+    """The block is [x_a, MASK...] embedded by the target's frozen table: changing that table's
+    row mask_token_id changes the drafts, no drafter weight does (before: a learned vector)."""
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    ids = torch.randint(0, 200, (1, 20), generator=torch.Generator().manual_seed(6))
+    th = hidden_of(target, ids, drafter.target_layer_ids)
+    anchors = torch.tensor([[8, 12]])
+    with torch.no_grad():
+        base = drafter.block_hidden(ids, th, anchors)
+        target.get_input_embeddings().weight[MASK_ID + -1] += 5.0  # another unused row: no effect
+        torch.testing.assert_close(drafter.block_hidden(ids, th, anchors), base)
+        target.get_input_embeddings().weight[MASK_ID] += 5.0
+        assert not torch.allclose(drafter.block_hidden(ids, th, anchors), base)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        tiny_drafter(target, mask_token_id=-1)
 
 
-def test_the_run_config_scales_anchors_with_the_buckets_length() -> None:
-    from training.config import load_config
-    from training.run.core import anchors_per_row, drafter_config
+def test_resolve_mask_token_id_order() -> None:
+    from types import SimpleNamespace
 
-    config = load_config("qwen3-8b-h200", [])
-    assert drafter_config(config).anchor_length == config.data.max_length == 4096
-    assert anchors_per_row(config, 1344) == 168 and anchors_per_row(config, 4096) == 512
+    from training.model.drafter import resolve_mask_token_id
+
+    class Tok:
+        def __init__(self, n: int, mask: int | None) -> None:
+            self.n, self.mask_token_id = n, mask
+
+        def __len__(self) -> int:
+            return self.n
+
+    cfg = SimpleNamespace(vocab_size=151936)
+    assert resolve_mask_token_id(7, Tok(151669, 3), cfg) == 7  # the config key wins
+    assert resolve_mask_token_id(-1, Tok(151669, 3), cfg) == 3  # the tokenizer's mask token
+    assert resolve_mask_token_id(-1, Tok(151669, None), cfg) == 151669  # z-lab's Qwen3 drafters' id
+    with_id = SimpleNamespace(vocab_size=248320, mask_token_id=248070)
+    assert resolve_mask_token_id(-1, Tok(248044, None), with_id) == 248070
+    with pytest.raises(ValueError, match="no spare row"):
+        resolve_mask_token_id(-1, Tok(256, None), SimpleNamespace(vocab_size=256))
+    with pytest.raises(ValueError, match="not a row"):
+        resolve_mask_token_id(300, Tok(10, None), SimpleNamespace(vocab_size=256))
+
+
+def test_the_tiny_default_reserves_a_mask_token(tmp_path) -> None:
+    from training.model.tinymodel import MASK_TOKEN, train_tokenizer
+
+    tok = train_tokenizer(["def f(x):\n    return x\n"] * 20, 300)
+    assert tok.mask_token == MASK_TOKEN and tok.mask_token_id is not None and len(tok) <= 300
+    assert MASK_TOKEN not in tok.decode(tok("def f(x): return <mask>")["input_ids"])
 
 
 def test_drafter_config_defaults_are_the_run_configs() -> None:
@@ -239,3 +289,24 @@ def test_drafter_config_defaults_are_the_run_configs() -> None:
     section, config = DrafterSection(), DrafterConfig()
     assert {n: getattr(config, n) for n in shared} == {n: getattr(section, n) for n in shared}
     assert len(select_target_layers(36)) == section.num_target_layers
+
+
+def test_the_drafter_layout_comes_from_the_drafter_config() -> None:
+    """Heads, KV heads, head_dim and MLP width from [drafter] (a published drafter's layout, e.g.
+    z-lab's Qwen3.6 drafters: 32 x 128 heads, 8 KV heads); 0 = the target's (before: always)."""
+    target = tiny_target()  # 4 heads of 16, 2 KV heads, MLP 128, hidden 64
+    same = tiny_drafter(target)
+    assert same.layers[0].self_attn.q_proj.weight.shape == (4 * 16, 64)
+    own = tiny_drafter(
+        target, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=96
+    )
+    attn = own.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (8 * 32, 64) and attn.k_proj.weight.shape == (2 * 32, 64)
+    assert attn.o_proj.weight.shape == (64, 8 * 32) and own.layers[1].mlp.gate_proj.weight.shape == (96, 64)
+    assert own.fc.weight.shape == (64, 2 * 64)  # the width stays the target's
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(8))
+    th = hidden_of(target, ids, own.target_layer_ids)
+    with torch.no_grad():
+        assert own.block_hidden(ids, th, torch.tensor([[3, 7]])).shape == (1, 8, 64)
+    with pytest.raises(ValueError, match="multiple of"):
+        tiny_drafter(target, num_attention_heads=6, num_key_value_heads=4)

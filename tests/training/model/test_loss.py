@@ -105,3 +105,33 @@ def test_tau_from_accuracy() -> None:
     assert tau_from_accuracy([1.0, 1.0, 1.0]) == 4.0  # perfect drafter: tau = block size
     assert tau_from_accuracy([0.5, 0.5]) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert tau_from_accuracy(torch.tensor([0.0, 1.0])) == 1.0  # a miss at offset 1 stops the round
+
+
+def _spec_forge_accept_len(pred: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """SpecForge's ``compute_accept_len`` (specforge/algorithms/common/dflash_family_model.py),
+    on [N, K, B-1] tensors: a block's run of correct drafts, unlabelled offsets count as correct."""
+    correct = (pred == target) | (~valid)
+    return (correct.long().cumprod(dim=2) * valid.long()).sum(dim=2).float()
+
+
+def test_tau_estimate_is_the_per_block_run_of_correct_drafts() -> None:
+    """Block A right at offsets 1 and 3, block B at 2 and 3: per-offset accuracies 0.5, 0.5, 1
+    imply 1 + 0.5 + 0.25 + 0.25 = 2.0 (the old estimate); the blocks accept 1 and 0: tau 1.5."""
+    vocab = 6
+    lm_head = nn.Linear(vocab, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.eye(vocab))
+    labels = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 4, 4, 4]])
+    pred = torch.tensor([[0, 1, 5, 3, 0, 5, 2, 3, 0, 4, 5, 5]])  # block C: offset 3 unlabelled
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, [0, 4, 8, 11]] = False
+    hidden = torch.nn.functional.one_hot(pred, vocab).float() * 10
+    out = block_loss(hidden, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=5)
+    offs = torch.arange(12) % 4 > 0
+    ref = _spec_forge_accept_len(
+        pred[:, offs].view(1, 3, 3), labels[:, offs].view(1, 3, 3), mask[:, offs].view(1, 3, 3)
+    )
+    assert ref.tolist() == [[1.0, 0.0, 1.0]]
+    assert (out.accepted, out.blocks) == (2, 3)
+    assert out.tau_estimate == pytest.approx(1.0 + float(ref.mean()))
+    assert tau_from_accuracy(out.acc_per_offset) > out.tau_estimate  # the product overstates it

@@ -37,7 +37,9 @@ class ChainDrafter(DFlashDrafter):
     """Proposes the target's own greedy chain for the first ``right`` offsets, then a wrong token."""
 
     def __init__(self, target: Qwen3ForCausalLM, next_of: Tensor, right: int) -> None:
-        cfg = DrafterConfig(num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2)
+        cfg = DrafterConfig(
+            num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2, mask_token_id=255
+        )
         super().__init__(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
         self.next_of = next_of
         self.right = right
@@ -87,7 +89,9 @@ def test_accepted_length_is_matching_prefix_plus_bonus(right: int) -> None:
 def test_an_untrained_drafter_gets_a_small_tau() -> None:
     target, _ = markov_target()
     torch.manual_seed(3)
-    cfg = DrafterConfig(num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2)
+    cfg = DrafterConfig(
+        num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2, mask_token_id=255
+    )
     drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
     drafter.train()
     res = evaluate_acceptance(target, drafter, _prompts(), drafter.target_layer_ids, max_new_tokens=12)
@@ -135,3 +139,42 @@ def test_eval_reads_the_same_hidden_states_the_trainer_trains_on() -> None:
         with torch.no_grad():
             ours = target_context(target(input_ids=ids, output_hidden_states=True).hidden_states, layer_ids)
         torch.testing.assert_close(ours, target_forward(target, ids, layer_ids))
+
+
+class UnevenDrafter(ChainDrafter):
+    """The target's chain, except that the first draft is wrong after an anchor divisible by 3."""
+
+    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        tokens = super().propose(target_hidden, last_token)
+        if int(last_token[0]) % 3 == 0:
+            tokens[:, 0] = (tokens[:, 0] + 1) % 256
+        return tokens
+
+
+def test_tau_is_reported_per_round_and_per_prompt() -> None:
+    """tau_prompt_mean = the mean over prompts of each prompt's own mean tau (z-lab's figure),
+    computed here by evaluating each prompt alone; tau_mean stays the mean over all rounds."""
+    target, next_of = markov_target()
+    drafter = UnevenDrafter(target, next_of, right=BS - 1)
+    prompts = [[3], [7, 1], [12, 5, 9], [4]]
+    both = evaluate_acceptance(target, drafter, prompts, [0, 1], max_new_tokens=9)
+    alone = [evaluate_acceptance(target, drafter, [p], [0, 1], max_new_tokens=9) for p in prompts]
+    assert both.tau_per_prompt == tuple(r.tau_mean for r in alone)
+    assert both.tau_prompt_mean == pytest.approx(sum(r.tau_mean for r in alone) / len(alone))
+    rounds = sum(r.rounds for r in alone)
+    assert both.tau_mean == pytest.approx(sum(r.tau_mean * r.rounds for r in alone) / rounds)
+    assert len(set(both.tau_per_prompt)) > 1  # the prompts differ, so the two means can differ
+
+
+def test_eval_prompts_are_the_last_tokens_before_the_first_label() -> None:
+    """A long prompt keeps its end (before: its first prompt_tokens, cut mid-message)."""
+    from types import SimpleNamespace
+
+    from training.data.dataset import TrainData
+
+    rows = {
+        "input_ids": [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13]],
+        "loss_mask": [[0, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1], [1, 1]],
+    }
+    prompts = TrainData.eval_prompts(SimpleNamespace(eval_rows=rows), 3, 10)
+    assert prompts == [[3, 4, 5], [9], [12]]

@@ -58,6 +58,22 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
 
+    # The exported folder is the same drafter: eval --export measures the same acceptance.
+    export = run_dir.parent / "drafter"
+    cmd = [sys.executable, "-m", "training", "export", "--run-dir", str(run_dir), "--out", str(export)]
+    exported = subprocess.run([*cmd, "--dtype", "float32"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert exported.returncode == 0 and f"-> {export}" in exported.stdout, exported.stderr[-3000:]
+    from_export = subprocess.run(
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), "--export", str(export)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert from_export.returncode == 0, from_export.stderr[-3000:]
+    evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
+    assert len(evals) == 3 and evals[2]["tau_hist"] == evals[1]["tau_hist"], evals
+
 
 def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     tiny_cache: Path, tmp_path: Path

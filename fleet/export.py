@@ -1,0 +1,128 @@
+"""``fab export``: the latest run's trained drafter as a folder SGLang / vLLM load.
+
+One command on the target runs the deployed trainer's ``python -m training export`` (in
+``<workdir>/current``, with the run's environment on stdin as ``fab warm`` does) on the latest
+run's newest complete checkpoint (or ``--step N``), into ``<run-dir>/export`` (``export-step-N``
+for a given step). The trainer reads only complete checkpoints and writes the folder next to
+its final place, then renames it, so exporting from a live run neither disturbs it nor leaves a
+half folder. ``--to LOCAL_DIR`` then brings the folder here: one more command prints it as a
+base64 tar (``remote/export_pack.sh``), unpacked into a temp folder beside ``LOCAL_DIR`` and
+renamed onto it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import posixpath
+import re
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fleet import remote
+from fleet.errors import ConfigError, RunError
+from fleet.runs import basic_status, failure_summary, run_with_env
+from fleet.target import Target
+
+EXPORTED_RE = re.compile(r"^exported step (\d+) \((.*)\) -> (.+)$", re.MULTILINE)
+EXPORT_TIMEOUT_S = 1800.0  # reading a 27B run's checkpoint and writing bf16 weights: minutes at most
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where the export is on the target (and here, with ``--to``)."""
+
+    target: str
+    run_id: str
+    step: int
+    remote_path: str
+    detail: str
+    local_path: Path | None = None
+
+    def text(self) -> str:
+        head = f"{self.target}: run {self.run_id} step {self.step} exported ({self.detail})"
+        lines = [f"{head} -> {self.remote_path}"]
+        if self.local_path is not None:
+            lines.append(f"{self.target}: copied to {self.local_path}")
+        return "\n".join(lines)
+
+
+def export_argv(python: str, module: str, run_dir: str, out: str, step: int | None) -> list[str]:
+    """``<python> -m <module> export --run-dir D --out O [--step N]``."""
+    argv = [python, "-m", module, "export", "--run-dir", run_dir, "--out", out]
+    return argv + (["--step", str(step)] if step is not None else [])
+
+
+def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> ExportResult:
+    """``fab export [--step N] [--to LOCAL_DIR]`` (see the module docstring)."""
+    if step is not None and step < 0:
+        raise ConfigError(f"export --step {step}: give a checkpoint step >= 0")
+    spec = target.spec
+    if spec.run.module != "training":
+        raise RunError(
+            f"{target.name}: run.module {spec.run.module!r} is not the bundled trainer: nothing to export"
+        )
+    status = basic_status(target, lines=0)
+    if not status.run_id:
+        raise RunError(f"{target.name}: no run to export: start one with `fab train`")
+    run_dir = spec.layout.run_dir(status.run_id)
+    out = posixpath.join(run_dir, "export" if step is None else f"export-step-{step}")
+    res = run_with_env(
+        target, export_argv(spec.run_python, spec.run.module, run_dir, out, step), timeout=EXPORT_TIMEOUT_S
+    )
+    if res.exit_code != 0:
+        why = failure_summary(res.stderr or res.stdout, res.exit_code)
+        raise RunError(f"{target.name}: export of run {status.run_id} failed ({why})")
+    found = EXPORTED_RE.search(res.stdout)
+    if found is None:
+        raise RunError(
+            f"{target.name}: the trainer's export printed no result line: {res.stdout.strip()[-300:]!r}"
+        )
+    result = ExportResult(
+        target.name, status.run_id, int(found.group(1)), found.group(3).strip(), found.group(2)
+    )
+    if to:
+        local = fetch_export(target, result.remote_path, Path(to).expanduser())
+        result = replace(result, local_path=local)
+    return result
+
+
+def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
+    """Copy the exported folder ``remote_path`` on the target to ``dest`` (replaced whole)."""
+    dest = dest.resolve()
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"export --to {dest} exists and is not a folder")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / "config.json").is_file():
+        raise ConfigError(f"export --to {dest} is a non-empty folder that is not an export: choose another")
+    res = target.run(remote.sh("export_pack.sh", remote_path), check=False, timeout=EXPORT_TIMEOUT_S)
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: could not read {remote_path}: {res.stderr.strip() or f'exit {res.exit_code}'}"
+        )
+    try:
+        data = base64.b64decode("".join(res.stdout.split()), validate=True)
+    except binascii.Error as exc:
+        raise RunError(f"{target.name}: the export of {remote_path} arrived damaged ({exc})") from None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            archive.extractall(tmp, filter="data")  # no absolute paths, links or devices
+        if not (tmp / "config.json").is_file():
+            raise RunError(f"{target.name}: {remote_path} holds no config.json")
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -1,0 +1,220 @@
+"""The exported drafter is the trained drafter: an independent forward over the folder matches.
+
+``reference_logits`` below re-implements the reference drafter forward from the exported folder
+alone (config.json + model.safetensors read with json/safetensors, nothing of ``training/``),
+following z-lab/dflash ``dflash/model.py`` (``DFlashDraftModel.forward``,
+``Qwen3DFlashAttention``, ``_attention_mask``) and its decoding loop ``dflash_generate``: the
+context is the fused target hidden states of positions ``0..a-1`` (``fc`` + ``hidden_norm``),
+the block ``[x_a, MASK x (B-1)]`` is embedded by the target's table at positions ``a..a+B-1``,
+every layer's keys/values are ``[context ; block]`` with per-head q/k RMSNorm and rotate-half
+RoPE, a ``full_attention`` layer attends both ways and a ``sliding_attention`` layer causally
+within ``query_pos - key_pos < sliding_window``; final ``norm``, then the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+torch.set_num_threads(2)
+
+
+# ------------------------------------------------------------------ the independent forward
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [N, heads, d] at integer positions pos [N] (rotate-half / neox layout)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def reference_logits(
+    folder: Path,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    hidden_states: tuple[torch.Tensor, ...],
+    ids: list[int],
+    anchor: int,
+) -> torch.Tensor:
+    """Logits [B, vocab] of the block anchored at ``anchor`` (``hidden_states``: the target's
+    ``output_hidden_states`` of ``ids``, batch 1)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    dflash = cfg["dflash_config"]
+    eps, theta, bs = cfg["rms_norm_eps"], cfg["rope_theta"], dflash["block_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    feats = torch.cat([hidden_states[i + 1][0] for i in dflash["target_layer_ids"]], -1)[:anchor]
+    ctx = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # [a, H]
+    block = [ids[anchor]] + [dflash["mask_token_id"]] * (bs - 1)
+    h = embed[torch.tensor(block)]  # [B, H]
+    q_pos = anchor + torch.arange(bs)
+    k_pos = torch.cat([torch.arange(anchor), q_pos])
+    for n, kind in enumerate(cfg["layer_types"]):
+        p = f"layers.{n}."
+        x = _rms(h, w[p + "input_layernorm.weight"], eps)
+        kv_in = torch.cat([ctx, x])
+        q = _rms(
+            (x @ w[p + "self_attn.q_proj.weight"].T).view(bs, nh, hd), w[p + "self_attn.q_norm.weight"], eps
+        )
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd)
+        k = _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        q, k = _rotate(q, q_pos, theta), _rotate(k, k_pos, theta)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        if kind == "sliding_attention":
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (
+                q_pos[:, None] - k_pos[None, :] < cfg["sliding_window"]
+            )
+            scores = scores.masked_fill(~visible, float("-inf"))
+        else:
+            assert kind == "full_attention"
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(bs, nh * hd)
+        h = h + out @ w[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(h, w["norm.weight"], eps) @ lm_head.T
+
+
+# ------------------------------------------------------------------ a run dir with a checkpoint
+OVERRIDES = ["--drafter.sliding_window=10", "--drafter.block_size=8", "--eval.num_prompts=2"]
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny-cpu run dir whose checkpoint holds random (non-initial) drafter weights."""
+    from training.config import load_config, write_config
+    from training.data.buckets import Position
+    from training.model.target import build_target
+    from training.run import core
+    from training.run.checkpoint import save_checkpoint
+
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    config = load_config("tiny-cpu", OVERRIDES)
+    loaded = build_target(config)
+    drafter = core.build_drafter(config, loaded.model, torch.device("cpu"), loaded.tokenizer)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.08 * torch.randn(p.shape, generator=g))
+    optimizer, scheduler = core.build_optimizer(config, drafter)
+    write_config(config, run_dir)
+    state = core.checkpoint_state(drafter, optimizer, scheduler, position=Position(), tau=1.0, config=config)
+    save_checkpoint(run_dir, 5, state, keep=2)
+    return run_dir, loaded, drafter
+
+
+def test_the_exported_folder_matches_an_independent_reference_forward(
+    run_with_checkpoint, tmp_path: Path
+) -> None:
+    from training.export import export_run
+    from training.model.drafter import target_context
+
+    run_dir, loaded, drafter = run_with_checkpoint
+    done = export_run(run_dir, tmp_path / "drafter", dtype="float32")
+    folder = done.path
+    files = {p.name for p in folder.iterdir()}
+    assert (
+        done.step == 5
+        and {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    )
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["layer_types"] == [
+        "sliding_attention",
+        "full_attention",
+    ]
+    assert cfg["dflash_config"]["mask_token_id"] == loaded.tokenizer.mask_token_id
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head")) or "mask" in n for n in names)
+
+    target = loaded.model
+    ids = torch.randint(10, 300, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        anchors = torch.tensor([[0, 5, 21, 26, 39]])  # at the start, overlapping, at the end
+        th = target_context(out.hidden_states, drafter.target_layer_ids)
+        trained = drafter.eval().block_hidden(ids, th, anchors).view(1, 5, 8, -1)
+        trained_logits = target.get_output_embeddings()(trained)[0]
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings().weight
+        for k, a in enumerate(anchors[0].tolist()):
+            ref = reference_logits(folder, embed, head, out.hidden_states, ids[0].tolist(), a)
+            torch.testing.assert_close(trained_logits[k], ref, rtol=1e-4, atol=1e-4)
+            assert torch.equal(trained_logits[k].argmax(-1), ref.argmax(-1))
+
+
+def test_a_bf16_export_holds_the_same_weights_rounded(run_with_checkpoint, tmp_path: Path) -> None:
+    from training.export import export_run
+
+    run_dir, _, drafter = run_with_checkpoint
+    folder = export_run(run_dir, tmp_path / "bf16").path
+    weights = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    own = drafter.state_dict()
+    assert set(weights) == set(own)
+    for name, t in weights.items():
+        assert torch.equal(t, own[name].to(torch.bfloat16)), name
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    # exporting again replaces the folder whole
+    again = export_run(run_dir, folder).path
+    assert again == folder and not list(folder.parent.glob(".bf16.*"))
+
+
+def test_export_refuses_old_checkpoints_and_missing_steps(run_with_checkpoint, tmp_path: Path) -> None:
+    from training.config import ConfigError
+    from training.export import export_run, load_export_into
+
+    run_dir, _, drafter = run_with_checkpoint
+    with pytest.raises(ConfigError, match=r"no checkpoint of step 9 .*have: 5"):
+        export_run(run_dir, tmp_path / "x", step=9)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text((run_dir / "config.json").read_text())
+    (old / "checkpoints").mkdir()
+    state = torch.load(run_dir / "checkpoints" / "step-00000005.pt", weights_only=False)
+    state["drafter"]["mask_embedding"] = torch.zeros(128)
+    torch.save(state, old / "checkpoints" / "step-00000005.pt")
+    with pytest.raises(ConfigError, match="learned MASK vector"):
+        export_run(old, tmp_path / "y")
+    # an export of another recipe is refused by eval --export, one line naming the difference
+    folder = export_run(run_dir, tmp_path / "z", dtype="float32").path
+    body = json.loads((folder / "config.json").read_text())
+    body["dflash_config"]["mask_token_id"] = 7
+    (folder / "config.json").write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match="mask_token_id 7"):
+        load_export_into(drafter, folder)
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="not an exported drafter"):
+        load_export_into(drafter, tmp_path)
+
+
+def test_init_from_a_drafter_folder_starts_from_its_weights(run_with_checkpoint, tmp_path: Path) -> None:
+    from training.config import ConfigError, load_config
+    from training.export import export_run
+    from training.run import core
+
+    run_dir, loaded, drafter = run_with_checkpoint
+    folder = export_run(run_dir, tmp_path / "published", dtype="float32").path
+    config = load_config("tiny-cpu", [*OVERRIDES, f"--drafter.init_from={folder}"])
+    started = core.build_drafter(config, loaded.model, torch.device("cpu"), loaded.tokenizer)
+    own = drafter.state_dict()
+    assert all(torch.equal(t, own[name]) for name, t in started.state_dict().items())
+    other = load_config("tiny-cpu", [*OVERRIDES, "--drafter.head_dim=16", f"--drafter.init_from={folder}"])
+    with pytest.raises(ConfigError, match=r"another drafter: head_dim 32 \(run: 16\)"):
+        core.build_drafter(other, loaded.model, torch.device("cpu"), loaded.tokenizer)

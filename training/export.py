@@ -1,0 +1,213 @@
+"""``python -m training export``: a run's trained drafter as a folder serving engines load.
+
+    python -m training export --run-dir D [--step N] --out DIR [--dtype bfloat16|float32]
+
+The folder (written next to ``DIR`` as a hidden temp folder, then renamed onto ``DIR``, so a
+reader never sees half of it) holds:
+
+``model.safetensors``
+    The drafter's own weights under the reference names (z-lab/dflash ``dflash/model.py``
+    ``DFlashDraftModel``; loaded by SGLang ``python/sglang/srt/models/dflash.py``
+    ``load_weights`` and vLLM ``vllm/model_executor/models/qwen3_dflash.py``): ``fc.weight``,
+    ``hidden_norm.weight``, ``layers.N.input_layernorm.weight``,
+    ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.self_attn.{q,k}_norm.weight``,
+    ``layers.N.post_attention_layernorm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+    ``norm.weight``. No ``embed_tokens`` / ``lm_head``: every engine takes them from the target
+    (SGLang: "DFlash uses the target model's embedding/lm_head"), and no MASK vector: MASK is
+    the target's embedding of ``dflash_config.mask_token_id``.
+``config.json``
+    A Qwen3 config with ``architectures: ["DFlashDraftModel"]``, the drafter's head layout,
+    ``layer_types`` (``full_attention`` / ``sliding_attention``) and ``sliding_window`` (the
+    engines make sliding layers causal and full layers bidirectional, as the trainer does),
+    ``rope_theta``, ``vocab_size`` (the target's embedding rows), ``block_size`` and
+    ``dflash_config: {block_size, mask_token_id, target_layer_ids}`` as z-lab's published
+    drafters have them (SGLang's ``parse_dflash_draft_config`` reads ``dflash_config`` first,
+    then the top level).
+the tokenizer files
+    The run's tokenizer (``save_pretrained``), so the folder names its MASK token.
+
+The checkpoint read is the newest complete one (``--step N``: that one): checkpoints are
+written to a temp file and renamed, so a live run is never disturbed and never read half-written;
+a checkpoint pruned between listing and reading is retried with the then-newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.config import ConfigError, RunConfig, TrainingError, read_config
+from training.model.drafter import DrafterConfig, drafter_layout
+from training.model.hf_folder import ARCHITECTURE, WEIGHTS, load_export_into, read_export
+from training.run.checkpoint import drafter_weights, list_checkpoints
+
+__all__ = ["ARCHITECTURE", "WEIGHTS", "export_run", "load_export_into", "read_export"]
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ExportError(TrainingError):
+    """The export folder could not be written (disk full, permissions): exit 1, one line."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    """Where an export went and what it holds."""
+
+    path: Path
+    step: int
+    checkpoint: str
+    num_tensors: int
+    mask_token_id: int
+
+
+def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
+    for _ in range(3):  # a live run may prune the file between listing and reading it
+        found = list_checkpoints(run_dir)
+        if not found:
+            raise ConfigError(f"{run_dir}/checkpoints has no checkpoint yet: export after the first one")
+        if step is None:
+            chosen = found[-1]
+        else:
+            match = [c for c in found if c[0] == step]
+            if not match:
+                have = ", ".join(str(s) for s, _ in found)
+                raise ConfigError(f"no checkpoint of step {step} in {run_dir}/checkpoints (have: {have})")
+            chosen = match[0]
+        try:
+            state = torch.load(chosen[1], map_location="cpu", weights_only=False)
+        except FileNotFoundError:
+            if step is not None:
+                raise ConfigError(
+                    f"checkpoint of step {step} was pruned by the run while reading it"
+                ) from None
+            continue
+        state["path"] = str(chosen[1].resolve())
+        state["step"] = int(state.get("step", chosen[0]))
+        return state
+    raise ConfigError(f"{run_dir}/checkpoints changed three times while reading: retry")
+
+
+def run_target_config(config: RunConfig) -> tuple[Any, Any]:
+    """(target HF config, tokenizer) of a run, without loading the target's weights."""
+    from training.compile.warm import target_config
+    from training.model.target import load_tokenizer, model_source
+
+    folder, tok_dir = model_source(config)
+    return target_config(config, folder), load_tokenizer(tok_dir)
+
+
+def export_config(cfg: DrafterConfig, target_config: Any, tokenizer: Any) -> dict[str, Any]:
+    """The ``config.json`` of an exported drafter (see the module docstring)."""
+    layout = drafter_layout(target_config, cfg)
+    text = getattr(target_config, "text_config", None) or target_config
+    layer_ids = cfg.resolved_target_layers(int(text.num_hidden_layers))
+    types = cfg.layer_types()
+    sliding = "sliding_attention" in types
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "dtype": "bfloat16",
+        "hidden_size": layout["hidden_size"],
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": layout["num_attention_heads"],
+        "num_key_value_heads": layout["num_key_value_heads"],
+        "head_dim": layout["head_dim"],
+        "intermediate_size": layout["intermediate_size"],
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": int(getattr(text, "max_position_embeddings", 32768)),
+        "vocab_size": int(text.vocab_size),
+        "tie_word_embeddings": False,
+        "layer_types": types,
+        "use_sliding_window": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "max_window_layers": cfg.num_layers,
+        "num_target_layers": int(text.num_hidden_layers),
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": layer_ids,
+        },
+        "eos_token_id": eos,
+        "bos_token_id": None,
+    }
+
+
+def export_run(run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "bfloat16") -> Exported:
+    """Export a run's checkpoint (the newest, or ``step``) to ``out`` (replaced atomically)."""
+    from safetensors.torch import save_file
+
+    from training.run.core import drafter_config, mask_token_id
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"export --dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    run_dir = run_dir.resolve()
+    config = read_config(run_dir)
+    state = _load_checkpoint(run_dir, step)
+    weights = drafter_weights(state, state["path"])
+    target_config, tokenizer = run_target_config(config)
+    mask_id = state.get("mask_token_id")
+    if mask_id is None:
+        mask_id = mask_token_id(config, tokenizer, target_config)
+    cfg = replace(drafter_config(config), mask_token_id=int(mask_id))
+    body = export_config(cfg, target_config, tokenizer)
+    tensors = {name: t.detach().to(DTYPES[dtype]).contiguous() for name, t in weights.items()}
+    body["dtype"] = dtype
+
+    out = out.expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; engines may run as another user
+        (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        tokenizer.save_pretrained(str(tmp))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(out, int(state["step"]), state["path"], len(tensors), int(mask_id))
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Put ``tmp`` at ``out``: a rename when ``out`` is new, else swap then delete the old one."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export --out {out} exists and is not a folder")
+    if not out.exists():
+        tmp.rename(out)
+        return
+    if any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ConfigError(f"export --out {out} is a non-empty folder that is not an export: choose another")
+    old = out.with_name(f".{out.name}.{os.getpid()}.old")
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_main(run_dir: Path, out: Path, step: int | None, dtype: str) -> int:
+    """The command: export, then one line saying where it went."""
+    try:
+        done = export_run(run_dir, out, step=step, dtype=dtype)
+    except OSError as exc:
+        raise ExportError(f"export to {out} failed: {exc}") from None
+    print(
+        f"exported step {done.step} ({done.num_tensors} tensors, {dtype}, "
+        f"mask_token_id {done.mask_token_id}) -> {done.path}"
+    )
+    return 0
