@@ -31,12 +31,12 @@ gradient, weight gradient); what the drafter does not need is left out:
     k, v projections    3 * 2 * (rows*T + Q) * H * kv_heads*hd each: every layer projects the whole
                         context (T tokens per row) and the block tokens
     mlp                 3 * 2 * Q * 3 * H * I
-    attention           3 * 4 * heads*hd * (bs * sum over anchors of visible context keys + Q * bs):
-                        the visible (query, key) pairs only. A sliding layer's anchor ``a`` sees
-                        min(a, W) context keys, a full layer's ``a`` (the context strictly before
-                        it, training/model/attention.py), a padded anchor none; every query sees
-                        its own block (bs keys). Backward = 2x forward (dQ, dK, dV, dP), as
-                        FlopCounterMode counts attention
+    attention           3 * 4 * heads*hd * (visible (query, key) pairs): in a full layer each of
+                        an anchor ``a``'s bs queries sees the ``a`` context tokens before it and
+                        its whole block (bs keys); in a sliding layer of window W block offset i
+                        sees min(a, W - 1 - i) context keys and its block causally (i + 1 keys)
+                        (training/model/attention.py); a padded anchor sees no context. Backward =
+                        2x forward (dQ, dK, dV, dP), as FlopCounterMode counts attention
     lm_head             2 * (2 * H * V) per *labelled* block position: the head is frozen, so its
                         backward is the input gradient only, and it runs on the labelled positions
                         only (offset 0 and positions past the row's end or without loss are dropped
@@ -190,16 +190,22 @@ class DrafterShape:
         )
 
 
-def _visible(anchor: float, window: int | None) -> float:
-    return anchor if window is None else min(anchor, window)
+def _visible(anchor: int, window: int | None, block_size: int) -> int:
+    """(query, context key) pairs of one anchor's block (``training.model.attention``'s rule):
+    a full layer's block sees the ``anchor`` tokens before it from every offset; a sliding one's
+    offset i sees the context tokens inside its own window of ``window`` tokens ending at a + i."""
+    if window is None:
+        return block_size * anchor
+    return sum(max(0, min(anchor, window - 1 - i)) for i in range(block_size))
 
 
 @dataclass(frozen=True)
 class AnchorStats:
     """What a batch's anchors decide for the drafter step's FLOPs.
 
-    ``context_keys[w]``: the visible context keys summed over the batch's anchors under window
-    ``w`` (None = full); ``labelled``: block positions with a label (the lm_head's rows)."""
+    ``context_keys[w]``: the visible (block query, context key) pairs summed over the batch's
+    anchors under window ``w`` (None = full); ``labelled``: block positions with a label (the
+    lm_head's rows)."""
 
     rows: int
     per_row: int  # K, the anchors tensor's width (padded anchors included: their blocks run)
@@ -211,8 +217,9 @@ class AnchorStats:
         """Exact, from a batch's anchors [rows, K] (-1 padded) and its block label mask
         [rows, K*bs] (``training.model.drafter.block_labels``; offset 0 is never labelled)."""
         rows, per_row = (int(n) for n in anchors.shape)
+        bs = int(label_mask.shape[-1]) // max(per_row, 1)
         real = [int(a) for a in anchors.reshape(-1).tolist() if int(a) >= 0]
-        keys = {w: float(sum(_visible(a, w) for a in real)) for w in set(windows)}
+        keys = {w: float(sum(_visible(a, w, bs) for a in real)) for w in set(windows)}
         return cls(rows, per_row, keys, float(label_mask.sum()))
 
     @classmethod
@@ -227,12 +234,17 @@ class AnchorStats:
         real = min(int(per_row), n)
         c = block_size - 1
 
-        def mean_visible(w: int | None) -> float:
+        def mean_min(w: int | None) -> float:  # E[min(a, w)] for a uniform on 0 .. n-1
             if n == 0:
                 return 0.0
             if w is None or w >= n - 1:
                 return (n - 1) / 2
             return (w * (w - 1) / 2 + (n - w) * w) / n
+
+        def mean_visible(w: int | None) -> float:  # E[_visible(a, w, block_size)]
+            if w is None:
+                return block_size * mean_min(None)
+            return sum(mean_min(max(0, w - 1 - i)) for i in range(block_size))
 
         labels = (n * (n + 1) / 2 if n <= c else c * (c + 1) / 2 + (n - c) * c) / n if n else 0.0
         keys = {w: rows * real * mean_visible(w) for w in set(windows)}
@@ -254,7 +266,9 @@ def drafter_step_flops(
     if dense_attention:
         pairs = layers * queries * (int(context_len) + anchors.per_row * bs)
     else:
-        pairs = sum(bs * anchors.context_keys[w] + queries * bs for w in shape.windows)
+        # Each block sees itself: both ways in a full layer, causally in a sliding one.
+        own = {None: queries * bs, **{w: queries * (bs + 1) / 2 for w in shape.windows if w is not None}}
+        pairs = sum(anchors.context_keys[w] + own[w] for w in shape.windows)
     forward = {
         "fc": 2.0 * context * shape.target_layers * h * h,
         "attention_projections": layers

@@ -41,6 +41,7 @@ def _drafter(backend: str = "dense") -> tuple[torch.nn.Module, DFlashDrafter, Dr
         num_target_layers=2,
         loss_chunk_size=7,
         attention_backend=backend,
+        mask_token_id=255,  # a row of the tiny target's embedding, the MASK token (no FLOPs: a lookup)
     )
     torch.manual_seed(1)
     return (
@@ -56,9 +57,7 @@ def _batch(target: torch.nn.Module, drafter: DFlashDrafter, cfg: DrafterConfig, 
     lengths = torch.tensor([T, T - 9][:rows])
     loss_mask = torch.arange(T)[None, :] < lengths[:, None]
     loss_mask[0, :3] = False  # a prompt without loss
-    anchors = sample_anchors(
-        loss_mask, lengths, cfg.num_anchors, cfg.block_size, torch.Generator().manual_seed(3)
-    )
+    anchors = sample_anchors(loss_mask, lengths, cfg.num_anchors, torch.Generator().manual_seed(3))
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
     hidden = target_context(out.hidden_states, drafter.target_layer_ids)
@@ -130,9 +129,11 @@ def test_expected_anchor_stats_by_enumeration(length: int, window: int | None) -
     K, bs = 6, 4
     eligible = list(range(max(length - 1, 0)))
     real = min(K, len(eligible))
-    keys = real * (
-        sum(a if window is None else min(a, window) for a in eligible) / len(eligible) if eligible else 0
-    )
+
+    def visible(a: int) -> int:  # block offset i of anchor a: full sees a keys, sliding min(a, W - 1 - i)
+        return sum(a if window is None else max(0, min(a, window - 1 - i)) for i in range(bs))
+
+    keys = real * (sum(visible(a) for a in eligible) / len(eligible) if eligible else 0)
     labels = sum(sum(1 for i in range(1, bs) if a + i < length) for a in eligible)
     labels = real * (labels / len(eligible) if eligible else 0)
     stats = AnchorStats.expected(3, length, K, bs, [window])
@@ -145,7 +146,7 @@ def test_expected_anchor_stats_match_sampled_anchors() -> None:
     rows, T, K, bs, windows = 64, 300, 40, 8, (50, None)
     loss_mask = torch.ones(rows, T, dtype=torch.bool)
     lengths = torch.full((rows,), T)
-    anchors = sample_anchors(loss_mask, lengths, K, bs, torch.Generator().manual_seed(0))
+    anchors = sample_anchors(loss_mask, lengths, K, torch.Generator().manual_seed(0))
     ids = torch.zeros(rows, T, dtype=torch.long)
     _, label_mask = block_labels(ids, loss_mask, anchors, bs)
     drawn = AnchorStats.from_tensors(anchors, label_mask, windows)
@@ -182,6 +183,12 @@ def test_qwen3_8b_one_plus_one_step() -> None:
     assert terms["lm_head"] == pytest.approx(
         2 * 2 * 4096 * 151936 * 4 * 512 * (15 * 16 / 2 + 4080 * 15) / 4095
     )
-    mean_sliding = (2048 * 2047 / 2 + 2047 * 2048) / 4095  # E[min(a, 2048)], a uniform on 0..4094
-    pairs = 4 * 512 * 16 * (4 * mean_sliding + 4094 / 2) + 5 * q * 16
+
+    def mean_min(c: int) -> float:  # E[min(a, c)], a uniform on 0..4094
+        return (c * (c - 1) / 2 + (4095 - c) * c) / 4095
+
+    # sliding: offset i sees min(a, 2047 - i) context keys and its block causally; full: a and bs
+    sliding = 4 * 512 * sum(mean_min(2047 - i) for i in range(16)) + q * 17 / 2
+    full = 4 * 512 * 16 * 4094 / 2 + q * 16
+    pairs = 4 * sliding + full
     assert terms["attention_scores"] == pytest.approx(3 * 4 * 32 * 128 * pairs)
