@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from fleet import remote
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
-from fleet.errors import CommandFailed, RunError, tail_lines
+from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import find_traceback
@@ -56,6 +56,28 @@ class RunInfo:
     argv: tuple[str, ...]
     started_at: str
     target: str
+    resumed_from: int | None = None  # the checkpoint's step when this launch resumes the run
+    checkpoint: str = ""  # ... and its path
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stopped or failed run that ``fab train`` continues: its newest checkpoint."""
+
+    run_id: str
+    step: int
+    total_steps: int
+    checkpoint: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``fab train`` will launch, decided before the GPU gate and the warm-up."""
+
+    release_id: str
+    latest: str | None  # runs/latest's run id (a new run id is bumped past it)
+    resume: Resume | None = None
+    note: str = ""  # why a new run although one could have been continued (finished, no checkpoint)
 
 
 @dataclass(frozen=True)
@@ -137,11 +159,14 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
 
 
 COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
+DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache shared by a workdir's runs (training.run.core)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:
-    """The run's environment: the compile-cache root, then ``run.env`` (which may override it)."""
-    return {COMPILE_CACHE_ENV: spec.layout.compile_cache, **spec.run.env}
+    """The run's environment: the compile-cache and data-cache roots, then ``run.env`` (which may
+    override them)."""
+    layout = spec.layout
+    return {COMPILE_CACHE_ENV: layout.compile_cache, DATA_CACHE_ENV: layout.data_cache, **spec.run.env}
 
 
 def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
@@ -319,7 +344,84 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
     )
 
 
-def start_run(target: Target, release_id: str | None = None) -> RunInfo:
+def resume_check_argv(spec: TargetSpec, run_dir: str) -> list[str]:
+    """``<python> -m training resume-check --config C --run-dir D <overrides>`` (read-only)."""
+    head = [spec.run_python, "-m", "training", "resume-check", "--config", spec.run.config]
+    return [*head, "--run-dir", run_dir, *spec.run.overrides]
+
+
+def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
+    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure)."""
+    for line in stdout.splitlines():
+        words = line.split(" ", 3)
+        if words[0] == "none":
+            return None
+        if words[0] == "checkpoint" and len(words) == 4 and words[1].isdigit() and words[2].isdigit():
+            return Resume(run_id, int(words[1]), int(words[2]), words[3])
+    raise RunError(
+        f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
+    )
+
+
+def plan_launch(
+    target: Target, release_id: str | None = None, *, fresh: bool = False, from_run: str = ""
+) -> LaunchPlan:
+    """Decide what ``fab train`` launches, before anything costly: refuse a live run; else continue
+    the latest run (or ``from_run``) from its newest checkpoint when it stopped or failed with one
+    and its model/drafter/data settings are unchanged (refused in one line naming the keys), else
+    a new run. Resuming needs the bundled trainer (``run.module = "training"``); ``fresh`` always
+    starts a new run."""
+    spec = target.spec
+    if fresh and from_run:
+        raise ConfigError("train: give --fresh or --from RUN_ID, not both")
+    if from_run and (not RUN_ID_RE.match(from_run) or from_run == "latest"):
+        raise ConfigError(
+            f"train --from {from_run!r}: not a run id (YYYYmmddTHHMMSSZ-name); `fab runs` lists them"
+        )
+    status = _state(target, 0)
+    if status.state == "live":
+        raise _live_error(target, status)
+    release_id = release_id or status.current_release
+    if release_id is None:
+        raise RunError(f"{target.name}: nothing deployed in {spec.workdir}; run `fab deploy` first")
+    plan = LaunchPlan(release_id=release_id, latest=status.run_id)
+    candidate = from_run or ("" if fresh else (status.run_id or ""))
+    if not candidate:
+        return plan
+    if spec.run.module != "training":
+        if from_run:
+            raise ConfigError(
+                f'train --from {from_run}: resuming needs the bundled trainer (run.module = "training"), '
+                f"not {spec.run.module!r}"
+            )
+        return plan
+    res = run_with_env(target, resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    if res.exit_code == 2:
+        why = tail_lines(res.stderr, 1).removeprefix("error: ") or "its settings changed"
+        raise ConfigError(
+            f"{target.name}: run {candidate} cannot resume: {why}; put them back, or "
+            "`fab train --fresh` starts a new run"
+        )
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: could not check whether run {candidate} can resume "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); "
+            "`fab train --fresh` starts a new run"
+        )
+    resume = parse_resume_check(candidate, res.stdout)
+    if resume is None:
+        if from_run:
+            raise RunError(
+                f"{target.name}: run {from_run} has no checkpoint to resume from "
+                f"({spec.layout.run_dir(from_run)}/checkpoints); `fab runs` lists runs"
+            )
+        return replace(plan, note=f"run {candidate} has no checkpoint: starting a new run")
+    if resume.step >= resume.total_steps and not from_run:
+        return replace(plan, note=f"run {candidate} finished ({resume.step} steps): starting a new run")
+    return replace(plan, resume=resume)
+
+
+def start_run(target: Target, release_id: str | None = None, plan: LaunchPlan | None = None) -> RunInfo:
     """Start the target's run in tmux (refuses while one is live). ``release_id`` defaults to current.
 
     With ``release_id`` given (``fab deploy train`` knows it) this is one command on the target:
@@ -328,7 +430,17 @@ def start_run(target: Target, release_id: str | None = None) -> RunInfo:
     """
     spec = target.spec
     latest: str | None = None
-    if release_id is None:
+    if plan is not None and plan.resume is not None:
+        info = _launch(target, plan.release_id, plan.resume.run_id, dt.datetime.now(dt.UTC), plan.resume)
+        if info is None:
+            raise RunError(
+                f"{target.name}: run {plan.resume.run_id} is gone from {spec.layout.runs}; "
+                "`fab train --fresh` starts a new one"
+            )
+        return info
+    if plan is not None:
+        release_id, latest = plan.release_id, plan.latest
+    elif release_id is None:
         status = _state(target, 0)
         if status.state == "live":
             raise _live_error(target, status)
@@ -348,8 +460,20 @@ def start_run(target: Target, release_id: str | None = None) -> RunInfo:
     raise RunError(f"{target.name}: could not find a free run id under {spec.layout.runs}; retry")
 
 
-def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunInfo | None:
-    """One launch command; None when ``run_id`` exists already."""
+def started_line(name: str, info: RunInfo) -> str:
+    """What ``fab train`` prints: the run id, and for a resume the step and checkpoint it continues."""
+    if info.resumed_from is not None:
+        return (
+            f"{name}: run {info.run_id} resumed at step {info.resumed_from + 1} from checkpoint "
+            f"{info.checkpoint} (release {info.release_id}); `fab logs --follow`"
+        )
+    return f"{name}: run {info.run_id} started (release {info.release_id}); `fab logs --follow`"
+
+
+def _launch(
+    target: Target, release: str, run_id: str, now: dt.datetime, resume: Resume | None = None
+) -> RunInfo | None:
+    """One launch command; None when ``run_id`` exists already (a new run) or is missing (a resume)."""
     spec = target.spec
     layout = spec.layout
     run_dir = layout.run_dir(run_id)
@@ -361,6 +485,8 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
         argv=tuple(argv),
         started_at=now.isoformat(timespec="seconds"),
         target=spec.name,
+        resumed_from=resume.step if resume else None,
+        checkpoint=resume.checkpoint if resume else "",
     )
     record = {
         "run_id": run_id,
@@ -374,8 +500,11 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
         "config": spec.run.config,
         "env_keys": sorted(spec.run.env),
         "tmux_session": RUN_SESSION,
+        "resumed_from": info.resumed_from,
+        "checkpoint": info.checkpoint,
     }
-    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, json.dumps(record), *argv]
+    mode = "resume" if resume else "new"
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
     try:
         target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(run_env(spec)), timeout=60)
     except CommandFailed as err:

@@ -528,3 +528,18 @@ def test_failure_summary_picks_the_line_that_says_why() -> None:
     )
     assert runs.failure_summary("error: bad config\n", 2) == "error: bad config"
     assert runs.failure_summary("", 9) == "exit 9"
+
+
+def test_parse_resume_check_answers() -> None:
+    got = runs.parse_resume_check("r1", "checkpoint 40 150 /w/runs/r1/checkpoints/step-00000040.pt\n")
+    assert got == runs.Resume("r1", 40, 150, "/w/runs/r1/checkpoints/step-00000040.pt")
+    assert runs.parse_resume_check("r1", "none\n") is None
+    with pytest.raises(RunError):
+        runs.parse_resume_check("r1", "something else\n")
+
+
+def test_started_line_names_step_and_checkpoint_of_a_resume() -> None:
+    info = runs.RunInfo("r1", "rel", "/w/runs/r1", (), "now", "t", resumed_from=40, checkpoint="/c.pt")
+    assert runs.started_line("t", info).startswith("t: run r1 resumed at step 41 from checkpoint /c.pt")
+    fresh = runs.RunInfo("r2", "rel", "/w/runs/r2", (), "now", "t")
+    assert runs.started_line("t", fresh).startswith("t: run r2 started (release rel)")

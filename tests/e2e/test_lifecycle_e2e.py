@@ -1,0 +1,143 @@
+"""Runs that survive: `fab train` resumes the latest run, end to end through the real test host
+(`fab` -> SSH -> pct shim -> LXC container 200) with the real trainer (tiny-cpu) in env local-cpu.
+
+One deploy, four launches of a short run: stopped by `fab stop` at step k, `fab train` resumes at
+k+1; killed by `fab stop --force` (SIGKILL), `fab train` resumes after the last checkpoint; it
+finishes; then a plain `fab train` starts a new run (the latest one finished), which runs
+uninterrupted and must log the very same losses at every step. A changed drafter setting is
+refused before launch in one line naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import testkit
+
+if TYPE_CHECKING:
+    from testkit import RemoteFleet, TestHost
+
+pytestmark = pytest.mark.hosts
+
+STEPS = 60
+RUN = {
+    "module": "training",
+    "config": "tiny-cpu",
+    "overrides": [
+        f"--train.steps={STEPS}",
+        "--checkpoint.every=5",
+        "--checkpoint.keep=3",
+        "--train.log_every=1",
+        "--eval.num_prompts=0",
+    ],
+    "env": {},
+}
+# The env's packages come from a uv cache kept in the container across tests (torch is large).
+UV_CACHE = "/workspace/.fleet-test-uv-cache"
+RESUMED = re.compile(r"run (\S+) resumed at step (\d+) from checkpoint (\S+)")
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def ct_read(hosts: TestHost, path: str) -> str:
+    result = hosts.pct_exec("cat", "--", path, check=False)
+    return result.stdout if result.returncode == 0 else ""
+
+
+def events(hosts: TestHost, run_dir: str) -> list[dict[str, Any]]:
+    lines = ct_read(hosts, f"{run_dir}/events.jsonl").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def last_step(hosts: TestHost, run_dir: str) -> int:
+    steps = [e["step"] for e in events(hosts, run_dir) if e["event"] == "step"]
+    return steps[-1] if steps else 0
+
+
+def status(fleet: RemoteFleet) -> dict[str, Any]:
+    result = fleet.fab("status", "--json")
+    assert "Traceback" not in result.stderr, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
+    holder: dict[str, Any] = {}
+
+    def final() -> bool:
+        holder["st"] = status(fleet)
+        return holder["st"]["state"] in ("finished", "stopped", "failed") and holder["st"]["alive"] is False
+
+    testkit.wait_for("the run to end", final, timeout=600, interval=1.0)
+    return holder["st"]
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_stop_kill_resume_then_fresh_run_same_losses(remote_fleet: RemoteFleet) -> None:
+    fleet, hosts, workdir = remote_fleet, remote_fleet.hosts, remote_fleet.workdir
+    fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
+    ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
+    run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+    run_dir = f"{workdir}/runs/{run_id}"
+
+    # 1. `fab stop` (SIGTERM: the step finishes and is checkpointed) at some step k; resume at k+1.
+    testkit.wait_for("step 8", lambda: last_step(hosts, run_dir) >= 8, timeout=300, interval=0.3)
+    ok(fleet.fab("stop"))
+    k = last_step(hosts, run_dir)
+    assert k < STEPS, "the run finished before it was stopped"
+    resumed = ok(fleet.fab("train", "--no-warm"))
+    m = RESUMED.search(resumed.stdout)
+    assert m and m.group(1) == run_id and int(m.group(2)) == k + 1, resumed.stdout
+    assert m.group(3).endswith(f"step-{k:08d}.pt")
+
+    # 2. kill -9 (`fab stop --force`) after some more steps; resume after the last checkpoint.
+    testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
+    killed = fleet.fab("stop", "--force")
+    assert killed.returncode == 0, killed.stderr
+    saved = [e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint"]
+    assert last_step(hosts, run_dir) < STEPS, "the run finished before it was killed"
+    assert status(fleet)["state"] == "failed"
+    again = ok(fleet.fab("train", "--no-warm"))
+    m = RESUMED.search(again.stdout)
+    assert m and m.group(1) == run_id and int(m.group(2)) == saved[-1] + 1, again.stdout
+
+    st = wait_final(fleet)
+    assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
+    steps = [h["step"] for h in st["history"]]
+    assert steps == list(range(1, STEPS + 1)), steps  # one history: no step twice, none missing
+    assert st["segments"] == 3 and st["resumed_from"] == saved[-1], st
+    assert st["checkpoint_s"] is not None and st["tokens_per_s"], st
+    resumes = [e["step"] for e in events(hosts, run_dir) if e["event"] == "resume"]
+    assert resumes == [k, saved[-1]]
+    launches = ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()
+    assert [json.loads(line)["segment"] for line in launches] == [1, 2, 3]
+    # One tokenized data cache for the workdir, none inside the run dir.
+    assert hosts.pct_exec("test", "-d", f"{workdir}/data-cache", check=False).returncode == 0
+    assert hosts.pct_exec("test", "-e", f"{run_dir}/data-cache", check=False).returncode == 1
+
+    # 3. The latest run finished: `fab train` starts a new one, uninterrupted: the same losses.
+    fresh = ok(fleet.fab("train", "--no-warm"))
+    assert "finished" in fresh.stdout and "started" in fresh.stdout, fresh.stdout
+    st2 = wait_final(fleet)
+    assert st2["run_id"] != run_id and st2["state"] == "finished", st2
+    assert [h["step"] for h in st2["history"]] == steps
+    assert [h["loss"] for h in st2["history"]] == [h["loss"] for h in st["history"]]
+
+    # 4. Continuing a run with a changed drafter setting is refused before launch, naming the key.
+    fleet.write(run={**RUN, "overrides": [*RUN["overrides"], "--drafter.num_layers=1"]})
+    refused = fleet.fab("train", "--no-warm", "--from", run_id)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    line = one_line(refused)
+    assert "drafter.num_layers 2 -> 1" in line and "--fresh" in line, line
+    assert len(ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()) == 3  # nothing launched
