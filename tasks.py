@@ -65,6 +65,25 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
         if plan.note:
             print(f"{target.name}: {plan.note}")
         print(runs.started_line(target.name, runs.start_run(target, plan=plan)))
+        if line := runs.prune_runs(target):
+            print(line)
+
+
+@fleet_task(help={"json": "print JSON (one object per run dir)"})
+def runs(c: Context, json: bool = False) -> None:
+    """List the run dirs: state, steps, newest checkpoint, launches, size."""
+    import json as json_lib
+    from dataclasses import asdict
+
+    from fleet import runs as fleet_runs
+
+    def show(target: Target) -> str:
+        found, _ = fleet_runs.list_runs(target)
+        if json:
+            return json_lib.dumps([asdict(r) for r in found], sort_keys=True)
+        return fleet_runs.runs_text(target.name, found)
+
+    on_targets(c, show)
 
 
 @fleet_task(
@@ -231,6 +250,8 @@ def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
         print(runs.plan(target, gpus or target.spec.gpus or 2, as_json=json))
 
 
-ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)
+ns = Collection(
+    deploy, train, runs, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan
+)
 ns.add_task(doctor)
 ns.add_task(warm)

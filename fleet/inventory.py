@@ -47,6 +47,7 @@ TARGET_KEYS = (
     "env",
     "uv_cache",
     "keep_releases",
+    "keep_runs",
     "stall_window_s",
     "run",
     "commands",
@@ -138,6 +139,7 @@ class TargetSpec:
     run: RunSpec = field(default_factory=RunSpec)
     gpu_gate: GateSpec = field(default_factory=GateSpec)
     keep_releases: int = 5
+    keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
     stall_window_s: float = STALL_WINDOW_S
 
     @property
@@ -289,6 +291,7 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         run=_parse_run(key, raw.get("run"), path),
         gpu_gate=_parse_gate(key, raw.get("gpu_gate"), path),
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
+        keep_runs=_int(raw, "keep_runs", key, path, default=TargetSpec.keep_runs, minimum=1),
         stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
     )
 

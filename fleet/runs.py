@@ -582,3 +582,104 @@ def follow_log(target: Target, lines: int = 50) -> None:
         target.run_stream(argv, check=False)
     except KeyboardInterrupt:
         return
+
+
+# --- run dirs: list and prune -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run dir at a glance (``fab runs``)."""
+
+    run_id: str
+    state: str  # live | finished | stopped | failed
+    step: int | None
+    total_steps: int | None
+    checkpoint_step: int | None  # the newest checkpoint: where `fab train --from` continues
+    launches: int
+    size_kib: int | None
+    latest: bool
+
+
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
+    def event(name: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(fields.get(name, "") or "{}")
+        except json.JSONDecodeError:
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    step, phase = event("step"), event("phase").get("phase")
+    exit_code = _int_or_none(fields.get("exit_code", ""))
+    if fields.get("alive") == "1":
+        state = "live"
+    elif phase == "done" and exit_code in (0, None):
+        state = "finished"
+    elif exit_code == 0 or (exit_code is None and phase == "stopped"):
+        state = "stopped"
+    else:
+        state = "failed"
+    ck = _CHECKPOINT_NAME.match(fields.get("checkpoint", ""))
+    return RunSummary(
+        run_id=run_id,
+        state=state,
+        step=step.get("step") if isinstance(step.get("step"), int) else None,
+        total_steps=step.get("total_steps") if isinstance(step.get("total_steps"), int) else None,
+        checkpoint_step=int(ck.group(1)) if ck else None,
+        launches=_int_or_none(fields.get("launches", "")) or 0,
+        size_kib=_int_or_none(fields.get("size_kib", "")),
+        latest=run_id == latest,
+    )
+
+
+def parse_runs_list(text: str) -> tuple[list[RunSummary], list[str]]:
+    """``runs_list.sh`` output -> (the runs, oldest first; the run ids removed) (pure)."""
+    blocks: list[tuple[str, dict[str, str]]] = []
+    removed: list[str] = []
+    latest = ""
+    for line in text.splitlines():
+        if line.startswith("@@run "):
+            blocks.append((line[6:].strip(), {}))
+        elif line.startswith("@@removed "):
+            removed.append(line[10:].strip())
+        elif line.startswith("@@latest"):
+            latest = line[8:].strip()
+        elif blocks:
+            key, _, value = line.partition(" ")
+            blocks[-1][1][key] = value.strip()
+    return [_summary(run_id, fields, latest) for run_id, fields in blocks], removed
+
+
+def list_runs(target: Target, keep: int = 0) -> tuple[list[RunSummary], list[str]]:
+    """The target's run dirs; with ``keep`` > 0 first remove those older than the newest ``keep``
+    (never runs/latest's, never one whose process group is alive). One command."""
+    result = target.run(remote.sh("runs_list.sh", target.spec.workdir, str(max(keep, 0))), timeout=120)
+    return parse_runs_list(result.stdout)
+
+
+def prune_runs(target: Target) -> str:
+    """After a launch: keep the newest ``keep_runs`` run dirs; a line saying what went, or ""."""
+    _, removed = list_runs(target, keep=target.spec.keep_runs)
+    if not removed:
+        return ""
+    return f"{target.name}: removed {len(removed)} old run dir(s) beyond keep_runs = {target.spec.keep_runs}"
+
+
+def runs_text(name: str, found: Sequence[RunSummary]) -> str:
+    """``fab runs``: one line per run dir, newest last."""
+    if not found:
+        return f"{name}: no runs yet (`fab train` starts one)"
+    rows = [("run", "state", "step", "checkpoint", "launches", "size")]
+    for r in found:
+        steps = "-" if r.step is None else f"{r.step}/{r.total_steps or '?'}"
+        size = "-" if r.size_kib is None else f"{r.size_kib / 1024:.1f} MiB"
+        ck = "-" if r.checkpoint_step is None else f"step {r.checkpoint_step}"
+        rows.append((r.run_id + (" (latest)" if r.latest else ""), r.state, steps, ck, str(r.launches), size))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"{name}:"] + [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    ]
+    return "\n".join(line.rstrip() for line in lines)

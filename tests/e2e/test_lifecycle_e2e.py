@@ -134,6 +134,13 @@ def test_stop_kill_resume_then_fresh_run_same_losses(remote_fleet: RemoteFleet) 
     assert [h["step"] for h in st2["history"]] == steps
     assert [h["loss"] for h in st2["history"]] == [h["loss"] for h in st["history"]]
 
+    listed = json.loads(ok(fleet.fab("runs", "--json")).stdout)
+    assert [(r["run_id"], r["state"], r["step"], r["launches"]) for r in listed] == [
+        (run_id, "finished", STEPS, 3),
+        (st2["run_id"], "finished", STEPS, 1),
+    ]
+    assert listed[1]["latest"] and listed[0]["size_kib"] > 0
+
     # 4. Continuing a run with a changed drafter setting is refused before launch, naming the key.
     fleet.write(run={**RUN, "overrides": [*RUN["overrides"], "--drafter.num_layers=1"]})
     refused = fleet.fab("train", "--no-warm", "--from", run_id)

@@ -22,7 +22,7 @@ import pytest
 from testkit import wait_for
 
 from fleet import deploy as d
-from fleet import runs
+from fleet import remote, runs
 from fleet.errors import RunError
 from fleet.inventory import Commands, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
@@ -543,3 +543,58 @@ def test_started_line_names_step_and_checkpoint_of_a_resume() -> None:
     assert runs.started_line("t", info).startswith("t: run r1 resumed at step 41 from checkpoint /c.pt")
     fresh = runs.RunInfo("r2", "rel", "/w/runs/r2", (), "now", "t")
     assert runs.started_line("t", fresh).startswith("t: run r2 started (release rel)")
+
+
+def _run_dir(root: Path, run_id: str, *, exit_code: str | None, phase: str, step: int, ckpt: int) -> None:
+    d = root / "runs" / run_id
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "checkpoints" / f"step-{ckpt:08d}.pt").write_bytes(b"x" * 2048)
+    (d / "checkpoints" / f"step-{max(ckpt - 5, 0):08d}.pt").write_bytes(b"x")
+    if exit_code is not None:
+        (d / "exit_code").write_text(exit_code + "\n")
+    step_ev = {
+        "v": 1,
+        "ts": 1.0,
+        "event": "step",
+        "rank": 0,
+        "role": "single",
+        "step": step,
+        "total_steps": 60,
+    }
+    phase_ev = {"v": 1, "ts": 2.0, "event": "phase", "rank": 0, "role": "single", "phase": phase}
+    (d / "events.jsonl").write_text(json.dumps(step_ev) + "\n" + json.dumps(phase_ev) + "\n")
+    (d / "segments.jsonl").write_text('{"segment": 1}\n{"segment": 2}\n')
+
+
+def test_runs_list_script_lists_and_prunes_old_runs_but_never_the_latest(tmp_path: Path) -> None:
+    """The shipped script on a real file tree: the newest KEEP stay, runs/latest stays even when old."""
+    ids = [f"2026113{i}T000000Z-tiny-cpu" for i in range(5)]
+    _run_dir(tmp_path, ids[0], exit_code="0", phase="stopped", step=20, ckpt=20)  # latest, but oldest
+    _run_dir(tmp_path, ids[1], exit_code="137", phase="train", step=33, ckpt=30)
+    _run_dir(tmp_path, ids[2], exit_code="0", phase="done", step=60, ckpt=60)
+    _run_dir(tmp_path, ids[3], exit_code="1", phase="error", step=3, ckpt=0)
+    _run_dir(tmp_path, ids[4], exit_code="0", phase="done", step=60, ckpt=60)
+    (tmp_path / "runs" / "latest").symlink_to(ids[0])
+
+    def listing(keep: int) -> tuple[list[runs.RunSummary], list[str]]:
+        out = subprocess.run(
+            remote.sh("runs_list.sh", str(tmp_path), str(keep)), capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return runs.parse_runs_list(out.stdout)
+
+    found, removed = listing(0)
+    assert removed == [] and [r.run_id for r in found] == ids
+    assert [r.state for r in found] == ["stopped", "failed", "finished", "failed", "finished"]
+    assert (found[1].step, found[1].total_steps, found[1].checkpoint_step, found[1].launches) == (
+        33,
+        60,
+        30,
+        2,
+    )
+    assert found[0].latest and not found[1].latest and (found[0].size_kib or 0) >= 2
+    assert "(latest)" in runs.runs_text("t", found) and "33/60" in runs.runs_text("t", found)
+
+    found, removed = listing(2)
+    assert sorted(removed) == [ids[1], ids[2]]  # beyond the newest two; ids[0] is runs/latest
+    assert [r.run_id for r in found] == [ids[0], ids[3], ids[4]]
