@@ -54,7 +54,8 @@ TARGET_KEYS = (
     "gpu_gate",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
 HOST_KEY_POLICIES = ("strict", "accept-new")
@@ -111,6 +112,10 @@ class RunSpec:
     overrides: tuple[str, ...] = ()
     # Values may be secrets: never shown in repr, logs or errors.
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # `restart = { max = 3, backoff_s = 60 }`: the run's wrapper relaunches a trainer that exited
+    # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
+    restart_max: int = 0
+    restart_backoff_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -518,7 +523,19 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
             raise ConfigError(
                 f"{path}: {rkey}.env.{env_key} has a NUL byte, which no environment can carry; remove it"
             )
-    return RunSpec(module=module, config=config, overrides=tuple(overrides), env=MappingProxyType(dict(env)))
+    restart = raw.get("restart", {})
+    _check_type(restart, dict, f"{rkey}.restart", "a table; e.g. { max = 3, backoff_s = 60 }", path)
+    _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
+    restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
+    backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    return RunSpec(
+        module=module,
+        config=config,
+        overrides=tuple(overrides),
+        env=MappingProxyType(dict(env)),
+        restart_max=restart_max,
+        restart_backoff_s=backoff,
+    )
 
 
 def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:

@@ -34,7 +34,7 @@ from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import RUN_SESSION
-from fleet.status.diagnose import find_traceback
+from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
 from fleet.target import CommandResult, Target, scrub
 
 RunState = Literal["live", "exited", "never"]
@@ -167,6 +167,18 @@ def run_env(spec: TargetSpec) -> dict[str, str]:
     override them)."""
     layout = spec.layout
     return {COMPILE_CACHE_ENV: layout.compile_cache, DATA_CACHE_ENV: layout.data_cache, **spec.run.env}
+
+
+def wrapper_env(spec: TargetSpec) -> dict[str, str]:
+    """What the run's wrapper (``remote/run.sh``) reads and unsets before the trainer starts: the
+    restart policy and the causes it never retries (``fleet.status.diagnose.NOT_RETRYABLE``)."""
+    if spec.run.restart_max <= 0:
+        return {}
+    return {
+        "FLEET_RESTART_MAX": str(spec.run.restart_max),
+        "FLEET_RESTART_BACKOFF_S": str(max(1, math.ceil(spec.run.restart_backoff_s))),
+        "FLEET_NO_RETRY": "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE),
+    }
 
 
 def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
@@ -506,7 +518,8 @@ def _launch(
     mode = "resume" if resume else "new"
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
     try:
-        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(run_env(spec)), timeout=60)
+        env = {**run_env(spec), **wrapper_env(spec)}
+        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:
             return None

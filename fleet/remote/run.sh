@@ -7,7 +7,12 @@
 # - loads the run's environment from RUN_DIR/run.env (0600, written from stdin by the launcher,
 #   so secrets never appear in argv or `ps`) and deletes the file once read;
 # - runs ARGV with cwd and PYTHONPATH = RELEASE_DIR, output teed to RUN_DIR/train.log;
-# - writes the trainer's own exit status (not tee's) to RUN_DIR/exit_code and exits with it.
+# - writes the trainer's own exit status (not tee's) to RUN_DIR/exit_code and exits with it;
+# - with a restart policy (FLEET_RESTART_MAX > 0 in run.env) runs ARGV again after a non-zero exit,
+#   up to that many times, FLEET_RESTART_BACKOFF_S seconds apart (the trainer resumes from its
+#   newest checkpoint), unless `fab stop` asked for the end (RUN_DIR/stop_signal), the exit was 2
+#   (a config error) or the attempt's log shows a cause listed in FLEET_NO_RETRY (lines
+#   "signature<TAB>fixed string"). Each ended attempt is one line of RUN_DIR/attempts.jsonl.
 set -u
 run_dir=$1
 release_dir=$2
@@ -27,6 +32,10 @@ if [ -f "$run_dir/run.env" ]; then
     . "$run_dir/run.env"
     rm -f -- "$run_dir/run.env"
 fi
+restart_max=${FLEET_RESTART_MAX:-0}
+backoff_s=${FLEET_RESTART_BACKOFF_S:-60}
+no_retry=${FLEET_NO_RETRY:-}
+unset FLEET_RESTART_MAX FLEET_RESTART_BACKOFF_S FLEET_NO_RETRY
 export PYTHONPATH="$release_dir"
 export PYTHONUNBUFFERED=1
 export FLEET_RUN_DIR="$run_dir"
@@ -42,6 +51,59 @@ cd -- "$release_dir" || finish 97
 # Signals reach the whole group: this shell only notes them (so it still records the exit code),
 # tee ignores them (so the trainer can still log its checkpoint), the trainer handles them.
 trap ':' TERM INT HUP
-printf 'fleet: %s\n' "$*" >> "$log"
-"$@" 2>&1 | (trap '' TERM INT HUP; exec tee -a -- "$log")
-finish "${PIPESTATUS[0]}"
+# Why an attempt that failed must not be retried ("" = it may be): exit 2, or a known cause.
+no_retry_cause() {
+    code=$1
+    from=$2
+    if [ "$code" -eq 2 ]; then
+        printf 'config-error'
+        return
+    fi
+    while IFS=$'\t' read -r sig needle; do
+        [ -n "$needle" ] || continue
+        if tail -c "+$from" -- "$log" 2>/dev/null | grep -qF -- "$needle"; then
+            printf '%s' "$sig"
+            return
+        fi
+    done <<< "$no_retry"
+}
+
+record_attempt() {  # attempt exit_code cause retry
+    printf '{"attempt": %s, "exit_code": %s, "cause": "%s", "retry": %s, "ts": %s}\n' \
+        "$1" "$2" "$3" "$4" "$(date +%s)" >> "$run_dir/attempts.jsonl"
+}
+
+attempt=1
+while :; do
+    from=$(($(stat -c %s -- "$log" 2>/dev/null || echo 0) + 1))
+    printf 'fleet: %s\n' "$*" >> "$log"
+    "$@" 2>&1 | (trap '' TERM INT HUP; exec tee -a -- "$log")
+    code=${PIPESTATUS[0]}
+    if [ "$code" -eq 0 ] || [ "$restart_max" -le 0 ]; then
+        break
+    fi
+    cause=$(no_retry_cause "$code" "$from")
+    if [ -e "$run_dir/stop_signal" ]; then
+        record_attempt "$attempt" "$code" "stopped by fab stop" false
+        break
+    fi
+    if [ -n "$cause" ]; then
+        record_attempt "$attempt" "$code" "$cause (not retryable)" false
+        printf 'fleet: exit %s: %s is not retryable; no restart\n' "$code" "$cause" | tee -a -- "$log"
+        break
+    fi
+    if [ "$attempt" -gt "$restart_max" ]; then
+        record_attempt "$attempt" "$code" "exit $code" false
+        printf 'fleet: exit %s; the %s restart(s) allowed are used up\n' "$code" "$restart_max" | tee -a -- "$log"
+        break
+    fi
+    record_attempt "$attempt" "$code" "exit $code" true
+    printf 'fleet: exit %s; restart %s of %s in %ss (attempt %s)\n' \
+        "$code" "$attempt" "$restart_max" "$backoff_s" "$((attempt + 1))" | tee -a -- "$log"
+    sleep "$backoff_s"
+    if [ -e "$run_dir/stop_signal" ]; then  # `fab stop` during the back-off
+        break
+    fi
+    attempt=$((attempt + 1))
+done
+finish "$code"

@@ -164,6 +164,7 @@ class RunFacts:
     stop_signal: str = ""  # what `fab stop` sent (TERM / KILL), "" when it never did
     kernel_log_readable: bool | None = None  # None: not read (only a SIGKILLed run's is)
     kernel_oom: tuple[str, ...] = ()  # the kernel's OOM-killer lines from the run's lifetime
+    attempts: tuple[Mapping[str, Any], ...] = ()  # attempts.jsonl: ended attempts (restart policy)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,10 @@ class RunStatus:
     resumed_from: int | None = None
     checkpoint_s: float | None = None  # median write time of the checkpoints in the events read
     history: tuple[tuple[int, float | None], ...] = field(default=())
+    # The restart policy: the attempt running (or last run) in this launch, 1 without restarts,
+    # and why the attempt before it ended ("exit 137", "config-error (not retryable)", ...).
+    attempt: int = 1
+    last_cause: str = ""
 
     def target_paths(self) -> list[tuple[str, list[int]]]:
         """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
@@ -557,7 +562,18 @@ def build_status(
         resumed_from=resumed_from,
         checkpoint_s=median(checkpoint_times),
         history=tuple((s["step"], _num(s.get("loss"))) for s in steps),
+        attempt=_attempt(facts.attempts),
+        last_cause=str(facts.attempts[-1].get("cause", "")) if facts.attempts else "",
     )
+
+
+def _attempt(attempts: Sequence[Mapping[str, Any]]) -> int:
+    """The attempt now running (after a restart: the last ended one + 1) or last run."""
+    if not attempts:
+        return 1
+    last = attempts[-1]
+    n = _int(last.get("attempt")) or len(attempts)
+    return n + 1 if last.get("retry") is True else n
 
 
 def loss_trend(losses: Sequence[float | None], window: int = 10) -> float | None:

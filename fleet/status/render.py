@@ -146,6 +146,10 @@ def render(st: RunStatus, now: float | None = None) -> Group:
         info.add_row("tokens/s", f"{_f(st.tokens_per_s, ',.0f')}  ({roles})")
     if st.eta_s is not None:
         info.add_row("ETA", _duration(st.eta_s))
+    if st.attempt > 1 or st.last_cause:
+        info.add_row(
+            "attempt", f"{st.attempt}" + (f"  (last ended: {st.last_cause})" if st.last_cause else "")
+        )
     if st.segments > 1 or st.resumed_from is not None:
         resumed = f", resumed from step {st.resumed_from}" if st.resumed_from is not None else ""
         info.add_row("launches", f"{st.segments} (speed and ETA of the live one{resumed})")

@@ -5,14 +5,17 @@ One deploy, four launches of a short run: stopped by `fab stop` at step k, `fab 
 k+1; killed by `fab stop --force` (SIGKILL), `fab train` resumes after the last checkpoint; it
 finishes; then a plain `fab train` starts a new run (the latest one finished), which runs
 uninterrupted and must log the very same losses at every step. A changed drafter setting is
-refused before launch in one line naming the key.
+refused before launch in one line naming the key. With `restart = { max = 2 }` a trainer killed
+mid-run comes back by itself (attempt 2) and finishes; a config error is not retried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -76,6 +79,24 @@ def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
 
     testkit.wait_for("the run to end", final, timeout=600, interval=1.0)
     return holder["st"]
+
+
+def trainer_pids(run_dir: str) -> list[int]:
+    """Host-view PIDs of the trainer processes (python ... training train) of ``run_dir``; not run.sh."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if (
+            argv
+            and b"python" in argv[0].rsplit(b"/", 1)[-1]
+            and b"train" in argv
+            and run_dir.encode() in argv
+        ):
+            pids.append(int(proc.name))
+    return pids
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -148,3 +169,25 @@ def test_stop_kill_resume_then_fresh_run_same_losses(remote_fleet: RemoteFleet) 
     line = one_line(refused)
     assert "drafter.num_layers 2 -> 1" in line and "--fresh" in line, line
     assert len(ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()) == 3  # nothing launched
+
+    # 5. Restart policy: the trainer killed mid-run (not the wrapper) comes back by itself and
+    # resumes from its checkpoint; `fab status` shows attempt 2 and why attempt 1 ended.
+    fleet.write(run={**RUN, "restart": {"max": 2, "backoff_s": 1}})
+    ok(fleet.fab("train", "--no-warm", "--fresh"))
+    run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+    run3_dir = f"{workdir}/runs/{run3}"
+    testkit.wait_for("step 7", lambda: last_step(hosts, run3_dir) >= 7, timeout=300, interval=0.3)
+    for pid in trainer_pids(run3_dir):
+        os.kill(pid, 9)
+    st3 = wait_final(fleet)
+    assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
+    assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
+    assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2
+    assert [h["loss"] for h in st3["history"]] == [h["loss"] for h in st["history"]]
+
+    # 6. A config error (exit 2) is never retried.
+    fleet.write(run={**RUN, "overrides": [*RUN["overrides"], "--train.no_such_key=1"], "restart": {"max": 2}})
+    ok(fleet.fab("train", "--no-warm", "--fresh"))
+    st4 = wait_final(fleet)
+    assert (st4["state"], st4["process_exit_code"], st4["attempt"]) == ("failed", 2, 1), st4
+    assert st4["last_cause"] == "config-error (not retryable)", st4

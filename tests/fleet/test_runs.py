@@ -598,3 +598,50 @@ def test_runs_list_script_lists_and_prunes_old_runs_but_never_the_latest(tmp_pat
     found, removed = listing(2)
     assert sorted(removed) == [ids[1], ids[2]]  # beyond the newest two; ids[0] is runs/latest
     assert [r.run_id for r in found] == [ids[0], ids[3], ids[4]]
+
+
+def _wrapper(tmp_path: Path, name: str, script: str, restart_max: int) -> tuple[int, Path]:
+    """Run the shipped run.sh (real bash) on a command; the restart policy as fleet sends it."""
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    spec = TargetSpec(name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max))
+    env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
+    (run_dir / "run.env").write_bytes(runs.env_file_text(env))
+    argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(tmp_path), "sh", "-c", script, "trainer"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60).returncode, run_dir
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    text = (run_dir / "attempts.jsonl").read_text() if (run_dir / "attempts.jsonl").exists() else ""
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_run_wrapper_restarts_a_failed_trainer_but_never_a_cause_a_restart_cannot_fix(tmp_path: Path) -> None:
+    counter = tmp_path / "count"
+    # Killed once (exit 137), then it succeeds: one restart, recorded.
+    flaky = f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n+1)) > {counter}; [ "$n" -ge 1 ] || exit 137'
+    code, run_dir = _wrapper(tmp_path, "flaky", flaky, restart_max=2)
+    assert code == 0 and (run_dir / "exit_code").read_text() == "0\n"
+    assert [(a["attempt"], a["exit_code"], a["retry"]) for a in _attempts(run_dir)] == [(1, 137, True)]
+    log = (run_dir / "train.log").read_text()
+    assert "restart 1 of 2" in log and "FLEET_NO_RETRY" not in log
+    # Always failing: max restarts, then the wrapper gives up with the trainer's exit status.
+    code, run_dir = _wrapper(tmp_path, "broken", "exit 3", restart_max=2)
+    assert code == 3 and [a["retry"] for a in _attempts(run_dir)] == [True, True, False]
+    # A config error (exit 2) and a drifted env (an import error) are never retried.
+    code, run_dir = _wrapper(tmp_path, "config", "echo 'error: bad key' >&2; exit 2", restart_max=2)
+    assert code == 2 and _attempts(run_dir) == [{**_attempts(run_dir)[0], "retry": False}]
+    assert _attempts(run_dir)[0]["cause"] == "config-error (not retryable)"
+    code, run_dir = _wrapper(tmp_path, "drift", "echo 'ModuleNotFoundError: No module named x'; exit 1", 2)
+    assert code == 1 and _attempts(run_dir)[0]["cause"] == "import-error (not retryable)"
+    # Without a policy nothing is recorded and nothing restarts.
+    code, run_dir = _wrapper(tmp_path, "off", "exit 137", restart_max=0)
+    assert code == 137 and _attempts(run_dir) == []
+
+
+def test_not_retryable_strings_are_part_of_their_diagnoses() -> None:
+    from fleet.status.diagnose import NOT_RETRYABLE, diagnose
+
+    for signature, needle in NOT_RETRYABLE:
+        found = [d.signature for d in diagnose(f"Traceback (most recent call last):\n{needle}x y\n", [])]
+        assert signature in found, (signature, needle, found)
