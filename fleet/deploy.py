@@ -237,6 +237,9 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes, mode: int, mtime
     tar.addfile(info, io.BytesIO(data))
 
 
+RELEASE_REMOTE = ("run.sh", "run_notify.py")  # the run's wrapper and its notifier, in every release
+
+
 def build_release_tar(
     repo_root: Path, release_id: str, spec: TargetSpec, git: GitInfo, now: dt.datetime
 ) -> tuple[bytes, dict[str, Any]]:
@@ -244,7 +247,7 @@ def build_release_tar(
     package = repo_root / SHIPPED_PACKAGE
     if not (package / "__init__.py").is_file():
         raise DeployError(f"{package}: the `{SHIPPED_PACKAGE}` package is missing; run deploy from the repo")
-    entries = [*_walk_package(package), ("remote/run.sh", remote.path("run.sh"))]
+    entries = [*_walk_package(package), *((f"remote/{name}", remote.path(name)) for name in RELEASE_REMOTE)]
     content = hashlib.sha256()
     total = 0
     buf = io.BytesIO()

@@ -172,13 +172,19 @@ def run_env(spec: TargetSpec) -> dict[str, str]:
 def wrapper_env(spec: TargetSpec) -> dict[str, str]:
     """What the run's wrapper (``remote/run.sh``) reads and unsets before the trainer starts: the
     restart policy and the causes it never retries (``fleet.status.diagnose.NOT_RETRYABLE``)."""
-    if spec.run.restart_max <= 0:
-        return {}
-    return {
-        "FLEET_RESTART_MAX": str(spec.run.restart_max),
-        "FLEET_RESTART_BACKOFF_S": str(max(1, math.ceil(spec.run.restart_backoff_s))),
-        "FLEET_NO_RETRY": "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE),
-    }
+    env: dict[str, str] = {}
+    if spec.run.restart_max > 0:
+        env["FLEET_RESTART_MAX"] = str(spec.run.restart_max)
+        env["FLEET_RESTART_BACKOFF_S"] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
+        env["FLEET_NO_RETRY"] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
+    notify = spec.notify
+    if notify.enabled:  # the notifier's (remote/run_notify.py); the URL and headers may be secrets
+        env["FLEET_NOTIFY_URL"] = notify.url
+        env["FLEET_NOTIFY_HEADERS"] = json.dumps(dict(notify.headers))
+        env["FLEET_NOTIFY_COMMAND"] = json.dumps(list(notify.command))
+        env["FLEET_NOTIFY_TARGET"] = spec.name
+        env["FLEET_NOTIFY_STALL_S"] = str(spec.stall_window_s)
+    return env
 
 
 def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:

@@ -9,6 +9,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from testkit import wait_for
 from fleet import deploy as d
 from fleet import remote, runs
 from fleet.errors import RunError
-from fleet.inventory import Commands, RunSpec, TargetSpec
+from fleet.inventory import Commands, NotifySpec, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import LocalTarget, open_target
 from training.events import read_events, validate_event
@@ -645,3 +646,79 @@ def test_not_retryable_strings_are_part_of_their_diagnoses() -> None:
     for signature, needle in NOT_RETRYABLE:
         found = [d.signature for d in diagnose(f"Traceback (most recent call last):\n{needle}x y\n", [])]
         assert signature in found, (signature, needle, found)
+
+
+class _Hook:
+    """A real HTTP server on 127.0.0.1 that records what each POST brought."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.received: list[tuple[str, dict[str, str], dict]] = []
+        hook = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                hook.received.append((self.path, dict(self.headers), json.loads(self.rfile.read(length))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def states(self) -> list[str]:
+        return [body["state"] for _, _, body in self.received]
+
+
+def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Path) -> None:
+    hook = _Hook()
+    secret, header_secret = "tok-9f2c1e", "bearer-77aa"
+    notify = NotifySpec(
+        url=f"{hook.url}/hook?token={secret}", headers={"Authorization": f"Bearer {header_secret}"}
+    )
+
+    def wrapped(name: str, script: str, restart_max: int = 0, stall_s: float = 600) -> Path:
+        run_dir = tmp_path / name
+        (run_dir / "remote").mkdir(parents=True)
+        shutil.copy(remote.path("run_notify.py"), run_dir / "remote" / "run_notify.py")
+        spec = TargetSpec(
+            name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max),
+            notify=notify, stall_window_s=stall_s,
+        )  # fmt: skip
+        env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
+        (run_dir / "run.env").write_bytes(runs.env_file_text(env))
+        argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(run_dir), sys.executable, "-c", script]
+        subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        return run_dir
+
+    step = json.dumps({"v": 1, "ts": 1.0, "event": "step", "rank": 0, "role": "single", "step": 7})
+    write_step = f"open('events.jsonl', 'a').write({step!r} + '\\n')"
+    finished = wrapped("finished", f"import os; os.chdir({str(tmp_path / 'finished')!r}); {write_step}")
+    assert hook.states() == ["finished"]
+    path, headers, body = hook.received[0]
+    assert path == f"/hook?token={secret}" and headers["Authorization"] == f"Bearer {header_secret}"
+    assert body == {"target": "t", "run": "finished", "state": "finished", "step": 7, "cause": "", "fix": ""}
+
+    wrapped("failing", "raise SystemExit(3)", restart_max=1)
+    assert hook.states()[1:] == ["restarted", "failed"]
+    assert hook.received[-1][2]["cause"] == "exit 3" and "fab status" in hook.received[-1][2]["fix"]
+
+    wrapped("stalling", "import time; time.sleep(4)", stall_s=1)
+    assert "stalled" in hook.states()[3:] and hook.states()[-1] == "finished"
+    stalled = next(b for _, _, b in hook.received if b["state"] == "stalled")
+    assert stalled["run"] == "stalling" and "no new event or log output" in stalled["cause"]
+
+    for _, _, body in hook.received:
+        assert secret not in json.dumps(body) and header_secret not in json.dumps(body)
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert secret.encode() not in data and header_secret.encode() not in data, path
+    assert not finished.joinpath("run.env").exists()
+    hook.server.shutdown()
