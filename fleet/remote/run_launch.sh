@@ -54,7 +54,7 @@ undo() {
     if [ "$mode" = resume ]; then
         # The run's history stays, as the previous launch left it; no secret is left at rest.
         rm -f -- "$run_dir/run.env"
-        for f in exit_code stop_signal pid pgid run.json; do
+        for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
             if [ -e "$run_dir/.prev-$f" ]; then mv -f -- "$run_dir/.prev-$f" "$run_dir/$f"; fi
         done
     else
@@ -64,8 +64,9 @@ undo() {
 trap undo EXIT
 (umask 077 && cat > "$run_dir/run.env")
 # The previous launch's outcome is not this one's (status reads exit_code and stop_signal); kept
-# aside until this launch has started, put back if it does not.
-for f in exit_code stop_signal pid pgid run.json; do
+# aside until this launch has started, put back if it does not. The restart policy counts the
+# attempts of one launch: the previous launch's go to attempts-earlier.jsonl.
+for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
     if [ -e "$run_dir/$f" ]; then mv -f -- "$run_dir/$f" "$run_dir/.prev-$f"; fi
 done
 printf '%s\n' "$run_json" > "$run_dir/run.json.tmp" && mv -f -- "$run_dir/run.json.tmp" "$run_dir/run.json"
@@ -95,8 +96,11 @@ done
 ln -s -- "$run_id" "$workdir/runs/.latest.tmp-$run_id"
 mv -T -- "$workdir/runs/.latest.tmp-$run_id" "$workdir/runs/latest"
 started=1
+if [ -e "$run_dir/.prev-attempts.jsonl" ]; then
+    cat -- "$run_dir/.prev-attempts.jsonl" >> "$run_dir/attempts-earlier.jsonl"
+fi
 rm -f -- "$run_dir/.prev-exit_code" "$run_dir/.prev-stop_signal" "$run_dir/.prev-pid" \
-    "$run_dir/.prev-pgid" "$run_dir/.prev-run.json"
+    "$run_dir/.prev-pgid" "$run_dir/.prev-run.json" "$run_dir/.prev-attempts.jsonl"
 segment=1
 if [ -f "$run_dir/segments.jsonl" ]; then
     segment=$(($(wc -l < "$run_dir/segments.jsonl") + 1))

@@ -722,3 +722,51 @@ def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Pa
             assert secret.encode() not in data and header_secret.encode() not in data, path
     assert not finished.joinpath("run.env").exists()
     hook.server.shutdown()
+
+
+def test_a_resume_launch_reuses_the_run_dir_and_a_failed_one_puts_it_back(
+    target: LocalTarget, tmp_path: Path
+) -> None:
+    release = d.deploy(target, REPO)
+    info = runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    runs.stop_run(target, timeout_s=60)
+    run_dir = Path(info.run_dir)
+    (run_dir / "attempts.jsonl").write_text(
+        '{"attempt": 1, "exit_code": 137, "cause": "exit 137", "retry": true}\n'
+    )
+    before = {
+        name: (run_dir / name).read_text() for name in ("exit_code", "run.json", "pgid", "attempts.jsonl")
+    }
+    plan = runs.LaunchPlan(
+        release.id, info.run_id, runs.Resume(info.run_id, 4, 100000, "/c/step-00000004.pt")
+    )
+
+    # tmux cannot make the session: the launch fails, the run dir is as the first launch left it.
+    real_tmux = target.spec.commands.tmux
+    broken = tmp_path / "tmux-broken"
+    broken.write_text(f'#!/bin/sh\ncase "$*" in *new-session*) exit 1 ;; esac\nexec {real_tmux} "$@"\n')
+    broken.chmod(0o755)
+    with open_target(replace(target.spec, commands=replace(target.spec.commands, tmux=str(broken)))) as t:
+        with pytest.raises(RunError, match="could not start run"):
+            runs.start_run(t, plan=plan)
+    assert {name: (run_dir / name).read_text() for name in before} == before
+    assert not (run_dir / "run.env").exists() and not (run_dir / "segments.jsonl").read_text().count("\n") > 1
+
+    resumed = runs.start_run(target, plan=plan)
+    assert (resumed.run_id, resumed.run_dir, resumed.resumed_from) == (info.run_id, info.run_dir, 4)
+    segments = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    assert [(s["segment"], s["resumed_from"]) for s in segments] == [(1, None), (2, 4)]
+    assert json.loads((run_dir / "run.json").read_text())["checkpoint"] == "/c/step-00000004.pt"
+    assert not (run_dir / "attempts.jsonl").exists()  # the restart policy counts per launch
+    assert (run_dir / "attempts-earlier.jsonl").read_text() == before["attempts.jsonl"]
+    def steps_of_second_launch() -> bool:
+        kinds = [e["event"] for e in events_of(info.run_dir)]
+        starts = [i for i, k in enumerate(kinds) if k == "run_start"]
+        return len(starts) == 2 and "step" in kinds[starts[1] :]
+
+    wait_for("a step of the resumed launch", steps_of_second_launch)
+    assert runs.basic_status(target, 0).state == "live"
+    assert not (run_dir / "exit_code").exists()
+    runs.stop_run(target, timeout_s=60)
+    assert (run_dir / "exit_code").read_text() == "0\n"
