@@ -760,6 +760,7 @@ def test_a_resume_launch_reuses_the_run_dir_and_a_failed_one_puts_it_back(
     assert json.loads((run_dir / "run.json").read_text())["checkpoint"] == "/c/step-00000004.pt"
     assert not (run_dir / "attempts.jsonl").exists()  # the restart policy counts per launch
     assert (run_dir / "attempts-earlier.jsonl").read_text() == before["attempts.jsonl"]
+
     def steps_of_second_launch() -> bool:
         kinds = [e["event"] for e in events_of(info.run_dir)]
         starts = [i for i, k in enumerate(kinds) if k == "run_start"]
