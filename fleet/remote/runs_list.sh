@@ -45,7 +45,7 @@ for dir in "$runs"/*; do
     done
     printf 'checkpoint %s\n' "$newest"
     printf 'launches %s\n' "$(cat -- "$dir/segments.jsonl" 2>/dev/null | wc -l)"
-    tail -c 65536 -- "$dir/events.jsonl" 2>/dev/null | grep '"event": "step"' | tail -n 1 | sed 's/^/step /'
-    tail -c 65536 -- "$dir/events.jsonl" 2>/dev/null | grep '"event": "phase"' | tail -n 1 | sed 's/^/phase /'
+    tail -c 65536 -- "$dir/events.jsonl" 2>/dev/null | grep -E '"event": ?"step"' | tail -n 1 | sed 's/^/step /'
+    tail -c 65536 -- "$dir/events.jsonl" 2>/dev/null | grep -E '"event": ?"phase"' | tail -n 1 | sed 's/^/phase /'
 done
 printf '@@latest %s\n' "$latest"

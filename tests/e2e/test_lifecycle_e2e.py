@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,11 +23,13 @@ import pytest
 import testkit
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
 
-STEPS = 60
+STEPS = 40
 RUN = {
     "module": "training",
     "config": "tiny-cpu",
@@ -99,14 +102,72 @@ def trainer_pids(run_dir: str) -> list[int]:
     return pids
 
 
+HOOK = """
+import http.server, json, os, sys
+out = sys.argv[1]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"path": self.path, "headers": dict(self.headers), "body": body}) + "\\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+with open(out + ".pid", "w") as fh:
+    fh.write(str(os.getpid()))
+with open(out + ".port", "w") as fh:
+    fh.write(str(server.server_address[1]))
+server.serve_forever()
+"""
+
+
+def start_hook(hosts: TestHost, out: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A real HTTP server on the container's 127.0.0.1 (the notifier runs there) recording each POST."""
+    hosts.ct_path("/tmp/fleet-test-hook.py").write_text(HOOK)
+    proc = subprocess.Popen(
+        [hosts.pct, "exec", str(hosts.ct_id), "--", "python3", "/tmp/fleet-test-hook.py", out]
+    )
+    port_file = hosts.ct_path(out + ".port")
+    testkit.wait_for(
+        "the webhook server", lambda: port_file.exists() and bool(port_file.read_text()), timeout=30
+    )
+    return proc, int(port_file.read_text())
+
+
+def command_lines() -> list[bytes]:
+    """Every process's command line on this machine (the container's processes are among them)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            found.append((proc / "cmdline").read_bytes() if proc.name.isdigit() else b"")
+        except OSError:
+            continue
+    return found
+
+
+def received(hosts: TestHost, out: str) -> list[dict[str, Any]]:
+    path = hosts.ct_path(out)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
     return lines[0]
 
 
-def test_stop_kill_resume_then_fresh_run_same_losses(remote_fleet: RemoteFleet) -> None:
-    fleet, hosts, workdir = remote_fleet, remote_fleet.hosts, remote_fleet.workdir
+@pytest.fixture
+def torch_fleet(remote_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
+    """remote_fleet whose env (torch: thousands of files) is removed with time to spare first."""
+    yield remote_fleet
+    remote_fleet.fab("stop", "--force", timeout=120)
+    remote_fleet.hosts.pct_exec("rm", "-rf", "--", f"{remote_fleet.workdir}/envs", check=False, timeout=900)
+
+
+def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None:
+    fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
     fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
     ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
     run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
@@ -170,24 +231,96 @@ def test_stop_kill_resume_then_fresh_run_same_losses(remote_fleet: RemoteFleet) 
     assert "drafter.num_layers 2 -> 1" in line and "--fresh" in line, line
     assert len(ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()) == 3  # nothing launched
 
-    # 5. Restart policy: the trainer killed mid-run (not the wrapper) comes back by itself and
-    # resumes from its checkpoint; `fab status` shows attempt 2 and why attempt 1 ended.
-    fleet.write(run={**RUN, "restart": {"max": 2, "backoff_s": 1}})
-    ok(fleet.fab("train", "--no-warm", "--fresh"))
-    run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
-    run3_dir = f"{workdir}/runs/{run3}"
-    testkit.wait_for("step 7", lambda: last_step(hosts, run3_dir) >= 7, timeout=300, interval=0.3)
-    for pid in trainer_pids(run3_dir):
-        os.kill(pid, 9)
-    st3 = wait_final(fleet)
-    assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
-    assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
-    assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2
-    assert [h["loss"] for h in st3["history"]] == [h["loss"] for h in st["history"]]
+    # 5. Restart policy + notifications: the trainer killed mid-run (not the wrapper) comes back by
+    # itself and resumes from its checkpoint; `fab status` shows attempt 2 and why attempt 1 ended.
+    # A webhook on the container's loopback gets restarted, stalled (the trainer frozen by SIGSTOP
+    # for longer than stall_window_s) and finished; its URL token and header never leak.
+    out = f"/tmp/{workdir.rsplit('/', 1)[-1]}-hook.jsonl"
+    hook, port = start_hook(hosts, out)
+    token, bearer = "tok-5e1f0c9a", "hdr-8b2d77"
+    notify = {
+        "url": f"http://127.0.0.1:{port}/hook/{token}",
+        "headers": {"Authorization": f"Bearer {bearer}"},
+    }
+    fleet.write(run={**RUN, "restart": {"max": 2, "backoff_s": 1}}, notify=notify, stall_window_s=6)
+    try:
+        ok(fleet.fab("train", "--no-warm", "--fresh"))
+        run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+        run3_dir = f"{workdir}/runs/{run3}"
+        testkit.wait_for("step 7", lambda: last_step(hosts, run3_dir) >= 7, timeout=300, interval=0.3)
+        release3 = json.loads(ct_read(hosts, f"{run3_dir}/run.json"))["release"]
+        redeployed = ok(fleet.fab("deploy"))  # while the run is live: it stays on its release
+        assert f"the live run stays on release {release3}" in redeployed.stdout, redeployed.stdout
+        for pid in trainer_pids(run3_dir):
+            os.kill(pid, 9)
+        testkit.wait_for("attempt 2's steps", lambda: status(fleet)["attempt"] == 2, timeout=300, interval=1)
+        testkit.wait_for(
+            "a step of attempt 2",
+            lambda: (
+                len(trainer_pids(run3_dir)) == 1 and '"resume"' in ct_read(hosts, f"{run3_dir}/events.jsonl")
+            ),
+            timeout=300,
+            interval=0.5,
+        )
+        frozen = trainer_pids(run3_dir)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            testkit.wait_for(
+                "the stalled notification",
+                lambda: "stalled" in [r["body"]["state"] for r in received(hosts, out)],
+                timeout=120,
+            )
+            cmdlines = command_lines()
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        st3 = wait_final(fleet)
+        assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
+        assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
+        assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2
+        assert [h["loss"] for h in st3["history"]] == [h["loss"] for h in st["history"]]
+        testkit.wait_for(
+            "the finished notification",
+            lambda: received(hosts, out)[-1]["body"]["state"] == "finished",
+            timeout=60,
+        )
 
-    # 6. A config error (exit 2) is never retried.
-    fleet.write(run={**RUN, "overrides": [*RUN["overrides"], "--train.no_such_key=1"], "restart": {"max": 2}})
-    ok(fleet.fab("train", "--no-warm", "--fresh"))
-    st4 = wait_final(fleet)
-    assert (st4["state"], st4["process_exit_code"], st4["attempt"]) == ("failed", 2, 1), st4
-    assert st4["last_cause"] == "config-error (not retryable)", st4
+        # 6. A config error (exit 2) is never retried; the webhook hears `failed`.
+        bad = [*RUN["overrides"], "--train.no_such_key=1"]
+        fleet.write(run={**RUN, "overrides": bad, "restart": {"max": 2, "backoff_s": 1}})
+        ok(fleet.fab("train", "--no-warm", "--fresh"))
+        st4 = wait_final(fleet)
+        assert (st4["state"], st4["process_exit_code"], st4["attempt"]) == ("failed", 2, 1), st4
+        assert st4["last_cause"] == "config-error (not retryable)", st4
+        testkit.wait_for(
+            "the failed notification",
+            lambda: received(hosts, out)[-1]["body"]["state"] == "failed",
+            timeout=60,
+        )
+    finally:
+        hosts.pct_exec("kill", hosts.ct_path(out + ".pid").read_text().strip(), check=False)
+        hook.wait(timeout=30)
+    got = received(hosts, out)
+    states = [r["body"]["state"] for r in got]
+    # (a slow start-up may be reported as a stall too: stall_window_s is short here)
+    assert states.count("restarted") == 1 and "stalled" in states and states[-2:] == ["finished", "failed"], (
+        states
+    )
+    by_state = {r["body"]["state"]: r["body"] for r in got}
+    assert by_state["restarted"]["run"] == run3 and by_state["restarted"]["cause"].startswith("exit 137")
+    assert by_state["finished"]["step"] == STEPS and by_state["failed"]["cause"].startswith("exit 2")
+    assert set(by_state["failed"]) == {"target", "run", "state", "step", "cause", "fix"}
+    for r in got:
+        assert r["path"] == f"/hook/{token}" and r["headers"]["Authorization"] == f"Bearer {bearer}"
+        assert token not in json.dumps(r["body"]) and bearer not in json.dumps(r["body"])
+    assert not [c for c in cmdlines if token.encode() in c or bearer.encode() in c], (
+        "a command line shows a secret"
+    )
+    for path in [
+        *hosts.ct_path(f"{workdir}/runs").rglob("*"),
+        *hosts.ct_path(f"{workdir}/releases").rglob("*"),
+    ]:
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert token.encode() not in data and bearer.encode() not in data, path

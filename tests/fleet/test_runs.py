@@ -563,7 +563,8 @@ def _run_dir(root: Path, run_id: str, *, exit_code: str | None, phase: str, step
         "total_steps": 60,
     }
     phase_ev = {"v": 1, "ts": 2.0, "event": "phase", "rank": 0, "role": "single", "phase": phase}
-    (d / "events.jsonl").write_text(json.dumps(step_ev) + "\n" + json.dumps(phase_ev) + "\n")
+    compact = {"separators": (",", ":")}  # as training.events writes them
+    (d / "events.jsonl").write_text(json.dumps(step_ev, **compact) + "\n" + json.dumps(phase_ev) + "\n")
     (d / "segments.jsonl").write_text('{"segment": 1}\n{"segment": 2}\n')
 
 
