@@ -49,7 +49,7 @@ def deploy(c: Context) -> None:
     }
 )
 def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "") -> None:
-    """Start the configured run in tmux, or continue the latest one from its checkpoint."""
+    """Start the configured run in tmux, or resume the latest one."""
     from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
     from fleet import runs
@@ -71,7 +71,7 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
 
 @fleet_task(help={"json": "print JSON (one object per run dir)"})
 def runs(c: Context, json: bool = False) -> None:
-    """List the run dirs: state, steps, newest checkpoint, launches, size."""
+    """List the run dirs: state, steps, checkpoint, launches, size."""
     import json as json_lib
     from dataclasses import asdict
 
