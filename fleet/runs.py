@@ -74,7 +74,7 @@ class Resume:
 class LaunchPlan:
     """What ``fab train`` will launch, decided before the GPU gate and the warm-up."""
 
-    release_id: str
+    release_id: str | None  # None: nothing deployed (start_run refuses)
     latest: str | None  # runs/latest's run id (a new run id is bumped past it)
     resume: Resume | None = None
     note: str = ""  # why a new run although one could have been continued (finished, no checkpoint)
@@ -400,11 +400,9 @@ def plan_launch(
     if status.state == "live":
         raise _live_error(target, status)
     release_id = release_id or status.current_release
-    if release_id is None:
-        raise RunError(f"{target.name}: nothing deployed in {spec.workdir}; run `fab deploy` first")
     plan = LaunchPlan(release_id=release_id, latest=status.run_id)
     candidate = from_run or ("" if fresh else (status.run_id or ""))
-    if not candidate:
+    if not candidate or release_id is None:  # nothing deployed: start_run says so (after the GPU gate)
         return plan
     if spec.run.module != "training":
         if from_run:
@@ -448,7 +446,9 @@ def start_run(target: Target, release_id: str | None = None, plan: LaunchPlan | 
     """
     spec = target.spec
     latest: str | None = None
-    if plan is not None and plan.resume is not None:
+    if plan is not None and plan.release_id is None:
+        raise RunError(f"{target.name}: nothing deployed in {spec.workdir}; run `fab deploy` first")
+    if plan is not None and plan.resume is not None and plan.release_id is not None:
         info = _launch(target, plan.release_id, plan.resume.run_id, dt.datetime.now(dt.UTC), plan.resume)
         if info is None:
             raise RunError(

@@ -322,6 +322,10 @@ def test_live_runs_release_is_never_pruned(target: LocalTarget) -> None:
     assert first.id in releases and releases == sorted([first.id, later[-1]])
     assert runs.basic_status(target, 0).state == "live"  # its code was never touched
     runs.stop_run(target)
+    d.deploy(target, REPO)  # stopped, it is runs/latest and may be continued: its release stays
+    assert first.id in {p.name for p in (Path(target.spec.workdir) / "releases").iterdir()}
+    runs.start_run(target)  # another run becomes runs/latest (on the current release)
+    runs.stop_run(target)
     d.deploy(target, REPO)  # now it may go
     assert first.id not in {p.name for p in (Path(target.spec.workdir) / "releases").iterdir()}
 
