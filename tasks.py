@@ -34,20 +34,56 @@ def deploy(c: Context) -> None:
         release = fleet_deploy.deploy(target, repo_root())
         c.config["fleet_deployed"] = {target.name: release.id}  # `fab deploy train`: train skips a probe
         print(f"{target.name}: release {release.id} is current ({release.path})")
+        if release.live_release:
+            print(
+                f"{target.name}: the live run stays on release {release.live_release} (kept); "
+                "after `fab stop`, `fab train` continues it on this one"
+            )
 
 
-@fleet_task(help={"no_warm": "skip the compile-cache warm-up (`fab warm`) before the start"})
-def train(c: Context, no_warm: bool = False) -> None:
-    """Start the configured run in tmux (one live run per target)."""
+@fleet_task(
+    help={
+        "no_warm": "skip the compile-cache warm-up (`fab warm`) before the start",
+        "fresh": "start a new run instead of continuing the latest one",
+        "from": "continue run RUN_ID (`fab runs` lists them) from its newest checkpoint",
+    }
+)
+def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "") -> None:
+    """Start the configured run in tmux, or resume the latest one."""
+    from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
     from fleet import runs
 
     with single_target(c) as target:
+        deployed = c.config.get("fleet_deployed", {}).get(target.name)
+        plan = runs.plan_launch(target, deployed, fresh=fresh, from_run=from_)  # refuses a live run first
+        if deployed is None:
+            fleet_envs.refuse_drift(target, repo_root())  # `fab deploy` checked it when it ran just now
         fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
         if not no_warm:
             runs.warm_cache(target, if_needed=True)  # compiles only when the key's cache is not complete
-        info = runs.start_run(target, release_id=c.config.get("fleet_deployed", {}).get(target.name))
-        print(f"{target.name}: run {info.run_id} started (release {info.release_id}); `fab logs --follow`")
+        if plan.note:
+            print(f"{target.name}: {plan.note}")
+        print(runs.started_line(target.name, runs.start_run(target, plan=plan)))
+        if line := runs.prune_runs(target):
+            print(line)
+
+
+@fleet_task(help={"json": "print JSON (one object per run dir)"})
+def runs(c: Context, json: bool = False) -> None:
+    """List the run dirs: state, steps, checkpoint, launches, size."""
+    import json as json_lib
+    from dataclasses import asdict
+
+    from fleet import runs as fleet_runs
+
+    def show(target: Target) -> str:
+        found, _ = fleet_runs.list_runs(target)
+        if json:
+            return json_lib.dumps([asdict(r) for r in found], sort_keys=True)
+        return fleet_runs.runs_text(target.name, found)
+
+    on_targets(c, show)
 
 
 @fleet_task(
@@ -228,7 +264,9 @@ def export(c: Context, step: int = -1, to: str = "") -> None:
         print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to).text())
 
 
-ns = Collection(deploy, train, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan)
+ns = Collection(
+    deploy, train, runs, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan
+)
 ns.add_task(export)
 ns.add_task(doctor)
 ns.add_task(warm)

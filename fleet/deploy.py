@@ -73,6 +73,7 @@ class Release:
     id: str
     path: str
     manifest: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    live_release: str | None = None  # deploy: the release a live run stays on (not this one)
 
     @property
     def git_sha(self) -> str | None:
@@ -91,6 +92,7 @@ class RemoteState:
     current: str | None
     releases: tuple[str, ...]
     live_release: str | None = None  # the release of the run live in the tmux session, if any
+    latest_release: str | None = None  # the release of runs/latest, live or not (it may be resumed)
 
     @property
     def current_id(self) -> str | None:
@@ -165,15 +167,16 @@ def parse_prepare_output(text: str) -> RemoteState:
     current = sec.get("current", "").strip() or None
     releases = tuple(line.strip() for line in sec.get("releases", "").splitlines() if line.strip())
     live = any(line.split()[:1] == ["0"] for line in sec.get("pane", "").splitlines())
-    live_release = None
-    if live:
-        try:
-            run = json.loads(sec.get("run_json", "") or "{}")
-        except json.JSONDecodeError:
-            run = {}
-        release = run.get("release") if isinstance(run, dict) else None
-        live_release = release if isinstance(release, str) else None
-    return RemoteState(current=current, releases=releases, live_release=live_release)
+    try:
+        run = json.loads(sec.get("run_json", "") or "{}")
+    except json.JSONDecodeError:
+        run = {}
+    release = run.get("release") if isinstance(run, dict) else None
+    latest_release = release if isinstance(release, str) and RELEASE_ID_RE.match(release) else None
+    live_release = latest_release if live else None
+    return RemoteState(
+        current=current, releases=releases, live_release=live_release, latest_release=latest_release
+    )
 
 
 def git_info(repo_root: Path) -> GitInfo:
@@ -234,6 +237,9 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes, mode: int, mtime
     tar.addfile(info, io.BytesIO(data))
 
 
+RELEASE_REMOTE = ("run.sh", "run_notify.py")  # the run's wrapper and its notifier, in every release
+
+
 def build_release_tar(
     repo_root: Path, release_id: str, spec: TargetSpec, git: GitInfo, now: dt.datetime
 ) -> tuple[bytes, dict[str, Any]]:
@@ -241,7 +247,7 @@ def build_release_tar(
     package = repo_root / SHIPPED_PACKAGE
     if not (package / "__init__.py").is_file():
         raise DeployError(f"{package}: the `{SHIPPED_PACKAGE}` package is missing; run deploy from the repo")
-    entries = [*_walk_package(package), ("remote/run.sh", remote.path("run.sh"))]
+    entries = [*_walk_package(package), *((f"remote/{name}", remote.path(name)) for name in RELEASE_REMOTE)]
     content = hashlib.sha256()
     total = 0
     buf = io.BytesIO()
@@ -340,7 +346,10 @@ def deploy(target: Target, repo_root: Path) -> Release:
         now = dt.datetime.now(dt.UTC)
         release_id = make_release_id(now, git.sha7, git.dirty, known)
         data, manifest = build_release_tar(repo_root, release_id, spec, git, now)
-        protected = [p for p in (state.live_release,) if p and p != release_id]
+        # The live run's release, and the latest run's (a stopped or failed run that `fab train`
+        # may continue, whose files `fab logs` and `fab status` name), are never pruned.
+        guarded = dict.fromkeys(p for p in (state.live_release, state.latest_release) if p)
+        protected = [p for p in guarded if p != release_id]
         args = [spec.workdir, f".tmp-{release_id}", release_id, str(spec.keep_releases), *protected]
         # Named like Target.put_tar's command: it is the release upload (tools and tests recognise it by it).
         install = remote.sh("deploy_install.sh", *args, dollar0="fleet-put-tar")
@@ -351,7 +360,12 @@ def deploy(target: Target, repo_root: Path) -> Release:
                 raise _deploy_error(target, f"installing release {release_id}", err) from None
             known = [*known, release_id, *prepare(target).releases]  # what got in first
             continue
-        return Release(id=release_id, path=layout.release(release_id), manifest=MappingProxyType(manifest))
+        return Release(
+            id=release_id,
+            path=layout.release(release_id),
+            manifest=MappingProxyType(manifest),
+            live_release=state.live_release,
+        )
     raise DeployError(
         f"{target.name}: {ID_ATTEMPTS} deploys into {spec.workdir} took each release id this deploy "
         "proposed; nothing was changed by this one: retry when the others are done"

@@ -657,6 +657,19 @@ def ensure_env(target: Target, repo_root: Path) -> EnvInfo:
     return _info(target, spec.env, data["manifest"], built=False)
 
 
+def refuse_drift(target: Target, repo_root: Path) -> None:
+    """``fab train`` on a managed env: EnvError when it drifted from its lock, as ``fab deploy`` says."""
+    spec = target.spec
+    if not spec.env:
+        return
+    report = check_env(target, repo_root)
+    if report.drift:
+        raise EnvError(
+            f"{target.name}: env {spec.env} ({report.path}) has drifted from envs/{spec.env}/uv.lock "
+            f"({report.summary()}); run `fab env-rebuild`"
+        )
+
+
 def rebuild_env(target: Target, repo_root: Path) -> EnvInfo:
     """Build a fresh venv next to the current one; switch only after it verified."""
     name = _require_env(target)

@@ -47,15 +47,19 @@ TARGET_KEYS = (
     "env",
     "uv_cache",
     "keep_releases",
+    "keep_runs",
     "stall_window_s",
     "run",
     "commands",
     "gpu_gate",
+    "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
+NOTIFY_KEYS = ("command", "url", "headers")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 
 
@@ -110,6 +114,24 @@ class RunSpec:
     overrides: tuple[str, ...] = ()
     # Values may be secrets: never shown in repr, logs or errors.
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # `restart = { max = 3, backoff_s = 60 }`: the run's wrapper relaunches a trainer that exited
+    # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
+    restart_max: int = 0
+    restart_backoff_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class NotifySpec:
+    """``[targets.X.notify]``: told when a run finishes, fails, is restarted or stalls. The URL and
+    header values may hold secrets: never in repr, logs, errors or a command line."""
+
+    command: tuple[str, ...] = ()  # argv run on the target, the JSON body on stdin
+    url: str = field(default="", repr=False)  # POSTed the JSON body
+    headers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.command or self.url)
 
 
 @dataclass(frozen=True)
@@ -137,7 +159,9 @@ class TargetSpec:
     uv_cache: str = ""  # "" = <workdir>/uv-cache; else a path on the target (e.g. a shared bind mount)
     run: RunSpec = field(default_factory=RunSpec)
     gpu_gate: GateSpec = field(default_factory=GateSpec)
+    notify: NotifySpec = field(default_factory=NotifySpec)
     keep_releases: int = 5
+    keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
     stall_window_s: float = STALL_WINDOW_S
 
     @property
@@ -288,7 +312,9 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         uv_cache=_parse_uv_cache(key, raw.get("uv_cache"), ssh is None, path),
         run=_parse_run(key, raw.get("run"), path),
         gpu_gate=_parse_gate(key, raw.get("gpu_gate"), path),
+        notify=_parse_notify(key, raw.get("notify"), path),
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
+        keep_runs=_int(raw, "keep_runs", key, path, default=TargetSpec.keep_runs, minimum=1),
         stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
     )
 
@@ -515,7 +541,51 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
             raise ConfigError(
                 f"{path}: {rkey}.env.{env_key} has a NUL byte, which no environment can carry; remove it"
             )
-    return RunSpec(module=module, config=config, overrides=tuple(overrides), env=MappingProxyType(dict(env)))
+    restart = raw.get("restart", {})
+    _check_type(restart, dict, f"{rkey}.restart", "a table; e.g. { max = 3, backoff_s = 60 }", path)
+    _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
+    restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
+    backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    return RunSpec(
+        module=module,
+        config=config,
+        overrides=tuple(overrides),
+        env=MappingProxyType(dict(env)),
+        restart_max=restart_max,
+        restart_backoff_s=backoff,
+    )
+
+
+def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
+    if raw is None:
+        return NotifySpec()
+    nkey = f"{key}.notify"
+    _check_type(raw, dict, nkey, 'a table; e.g. { url = "https://hooks.example/..." }', path)
+    _check_keys(raw, NOTIFY_KEYS, nkey, path)
+    command = raw.get("command", [])
+    if not isinstance(command, list) or not all(isinstance(a, str) and "\0" not in a for a in command):
+        raise ConfigError(
+            f'{path}: {nkey}.command must be an argv list of strings; e.g. ["/usr/local/bin/page-me"]'
+        )
+    url = raw.get("url", "")
+    # The URL may hold a token: the messages name the key, never the value.
+    if not isinstance(url, str) or (url and not re.match(r"^https?://[^\s]+$", url)):
+        raise ConfigError(f"{path}: {nkey}.url must be an http:// or https:// URL without spaces")
+    headers = raw.get("headers", {})
+    _check_type(
+        headers, dict, f"{nkey}.headers", 'a table of strings; e.g. { Authorization = "Bearer ..." }', path
+    )
+    for name, value in headers.items():
+        if (
+            not re.match(r"^[A-Za-z0-9-]+$", name)
+            or not isinstance(value, str)
+            or any(c in value for c in "\r\n\0")
+        ):
+            raise ConfigError(
+                f"{path}: {nkey}.headers.{name}: give a header name of letters, digits and '-' "
+                "and a one-line string value"
+            )
+    return NotifySpec(command=tuple(command), url=url, headers=MappingProxyType(dict(headers)))
 
 
 def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:

@@ -57,6 +57,10 @@ class Layout:
         return self._join("compile-cache")
 
     @property
+    def data_cache(self) -> str:
+        return self._join("data-cache")
+
+    @property
     def uv_cache(self) -> str:
         return self._join("uv-cache")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fleet.errors import ConfigError, RunError
 from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
+from fleet.status.model import continuous_events
 from training.contract import parse_events
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ class PlotData:
 
 
 def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
-    """Per-rank curves of loss, tau and tokens/s, and the eval tau points (pure)."""
+    """Per-rank curves of loss, tau and tokens/s, and the eval tau points (pure); one continuous
+    history across the run dir's launches (steps redone after a resume drawn once)."""
+    events = continuous_events(events)
     per_rank: dict[tuple[int, str], dict[str, list[tuple[int, float]]]] = {}
     evals: list[tuple[int, float]] = []
     for ev in events:

@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 from fleet import remote
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
-from fleet.errors import CommandFailed, RunError, tail_lines
+from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, TargetSpec
 from fleet.layout import RUN_SESSION
-from fleet.status.diagnose import find_traceback
+from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
 from fleet.target import CommandResult, Target, scrub
 
 RunState = Literal["live", "exited", "never"]
@@ -56,6 +56,28 @@ class RunInfo:
     argv: tuple[str, ...]
     started_at: str
     target: str
+    resumed_from: int | None = None  # the checkpoint's step when this launch resumes the run
+    checkpoint: str = ""  # ... and its path
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stopped or failed run that ``fab train`` continues: its newest checkpoint."""
+
+    run_id: str
+    step: int
+    total_steps: int
+    checkpoint: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``fab train`` will launch, decided before the GPU gate and the warm-up."""
+
+    release_id: str | None  # None: nothing deployed (start_run refuses)
+    latest: str | None  # runs/latest's run id (a new run id is bumped past it)
+    resume: Resume | None = None
+    note: str = ""  # why a new run although one could have been continued (finished, no checkpoint)
 
 
 @dataclass(frozen=True)
@@ -137,11 +159,32 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
 
 
 COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
+DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache shared by a workdir's runs (training.run.core)
 
 
 def run_env(spec: TargetSpec) -> dict[str, str]:
-    """The run's environment: the compile-cache root, then ``run.env`` (which may override it)."""
-    return {COMPILE_CACHE_ENV: spec.layout.compile_cache, **spec.run.env}
+    """The run's environment: the compile-cache and data-cache roots, then ``run.env`` (which may
+    override them)."""
+    layout = spec.layout
+    return {COMPILE_CACHE_ENV: layout.compile_cache, DATA_CACHE_ENV: layout.data_cache, **spec.run.env}
+
+
+def wrapper_env(spec: TargetSpec) -> dict[str, str]:
+    """What the run's wrapper (``remote/run.sh``) reads and unsets before the trainer starts: the
+    restart policy and the causes it never retries (``fleet.status.diagnose.NOT_RETRYABLE``)."""
+    env: dict[str, str] = {}
+    if spec.run.restart_max > 0:
+        env["FLEET_RESTART_MAX"] = str(spec.run.restart_max)
+        env["FLEET_RESTART_BACKOFF_S"] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
+        env["FLEET_NO_RETRY"] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
+    notify = spec.notify
+    if notify.enabled:  # the notifier's (remote/run_notify.py); the URL and headers may be secrets
+        env["FLEET_NOTIFY_URL"] = notify.url
+        env["FLEET_NOTIFY_HEADERS"] = json.dumps(dict(notify.headers))
+        env["FLEET_NOTIFY_COMMAND"] = json.dumps(list(notify.command))
+        env["FLEET_NOTIFY_TARGET"] = spec.name
+        env["FLEET_NOTIFY_STALL_S"] = str(spec.stall_window_s)
+    return env
 
 
 def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
@@ -319,7 +362,82 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
     )
 
 
-def start_run(target: Target, release_id: str | None = None) -> RunInfo:
+def resume_check_argv(spec: TargetSpec, run_dir: str) -> list[str]:
+    """``<python> -m training resume-check --config C --run-dir D <overrides>`` (read-only)."""
+    head = [spec.run_python, "-m", "training", "resume-check", "--config", spec.run.config]
+    return [*head, "--run-dir", run_dir, *spec.run.overrides]
+
+
+def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
+    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure)."""
+    for line in stdout.splitlines():
+        words = line.split(" ", 3)
+        if words[0] == "none":
+            return None
+        if words[0] == "checkpoint" and len(words) == 4 and words[1].isdigit() and words[2].isdigit():
+            return Resume(run_id, int(words[1]), int(words[2]), words[3])
+    raise RunError(
+        f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
+    )
+
+
+def plan_launch(
+    target: Target, release_id: str | None = None, *, fresh: bool = False, from_run: str = ""
+) -> LaunchPlan:
+    """Decide what ``fab train`` launches, before anything costly: refuse a live run; else continue
+    the latest run (or ``from_run``) from its newest checkpoint when it stopped or failed with one
+    and its model/drafter/data settings are unchanged (refused in one line naming the keys), else
+    a new run. Resuming needs the bundled trainer (``run.module = "training"``); ``fresh`` always
+    starts a new run."""
+    spec = target.spec
+    if fresh and from_run:
+        raise ConfigError("train: give --fresh or --from RUN_ID, not both")
+    if from_run and (not RUN_ID_RE.match(from_run) or from_run == "latest"):
+        raise ConfigError(
+            f"train --from {from_run!r}: not a run id (YYYYmmddTHHMMSSZ-name); `fab runs` lists them"
+        )
+    status = _state(target, 0)
+    if status.state == "live":
+        raise _live_error(target, status)
+    release_id = release_id or status.current_release
+    plan = LaunchPlan(release_id=release_id, latest=status.run_id)
+    candidate = from_run or ("" if fresh else (status.run_id or ""))
+    if not candidate or release_id is None:  # nothing deployed: start_run says so (after the GPU gate)
+        return plan
+    if spec.run.module != "training":
+        if from_run:
+            raise ConfigError(
+                f'train --from {from_run}: resuming needs the bundled trainer (run.module = "training"), '
+                f"not {spec.run.module!r}"
+            )
+        return plan
+    res = run_with_env(target, resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    if res.exit_code == 2:
+        why = tail_lines(res.stderr, 1).removeprefix("error: ") or "its settings changed"
+        raise ConfigError(
+            f"{target.name}: run {candidate} cannot resume: {why}; put them back, or "
+            "`fab train --fresh` starts a new run"
+        )
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: could not check whether run {candidate} can resume "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); "
+            "`fab train --fresh` starts a new run"
+        )
+    resume = parse_resume_check(candidate, res.stdout)
+    if resume is None:
+        if from_run:
+            raise RunError(
+                f"{target.name}: run {from_run} has no checkpoint to resume from "
+                f"({spec.layout.run_dir(from_run)}/checkpoints); `fab runs` lists runs"
+            )
+        return replace(plan, note=f"run {candidate} has no checkpoint: starting a new run")
+    if resume.step >= resume.total_steps and not from_run:
+        return replace(plan, note=f"run {candidate} finished ({resume.step} steps): starting a new run")
+    return replace(plan, resume=resume)
+
+
+def start_run(target: Target, release_id: str | None = None, plan: LaunchPlan | None = None) -> RunInfo:
     """Start the target's run in tmux (refuses while one is live). ``release_id`` defaults to current.
 
     With ``release_id`` given (``fab deploy train`` knows it) this is one command on the target:
@@ -328,7 +446,19 @@ def start_run(target: Target, release_id: str | None = None) -> RunInfo:
     """
     spec = target.spec
     latest: str | None = None
-    if release_id is None:
+    if plan is not None and plan.release_id is None:
+        raise RunError(f"{target.name}: nothing deployed in {spec.workdir}; run `fab deploy` first")
+    if plan is not None and plan.resume is not None and plan.release_id is not None:
+        info = _launch(target, plan.release_id, plan.resume.run_id, dt.datetime.now(dt.UTC), plan.resume)
+        if info is None:
+            raise RunError(
+                f"{target.name}: run {plan.resume.run_id} is gone from {spec.layout.runs}; "
+                "`fab train --fresh` starts a new one"
+            )
+        return info
+    if plan is not None:
+        release_id, latest = plan.release_id, plan.latest
+    elif release_id is None:
         status = _state(target, 0)
         if status.state == "live":
             raise _live_error(target, status)
@@ -348,8 +478,20 @@ def start_run(target: Target, release_id: str | None = None) -> RunInfo:
     raise RunError(f"{target.name}: could not find a free run id under {spec.layout.runs}; retry")
 
 
-def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunInfo | None:
-    """One launch command; None when ``run_id`` exists already."""
+def started_line(name: str, info: RunInfo) -> str:
+    """What ``fab train`` prints: the run id, and for a resume the step and checkpoint it continues."""
+    if info.resumed_from is not None:
+        return (
+            f"{name}: run {info.run_id} resumed at step {info.resumed_from + 1} from checkpoint "
+            f"{info.checkpoint} (release {info.release_id}); `fab logs --follow`"
+        )
+    return f"{name}: run {info.run_id} started (release {info.release_id}); `fab logs --follow`"
+
+
+def _launch(
+    target: Target, release: str, run_id: str, now: dt.datetime, resume: Resume | None = None
+) -> RunInfo | None:
+    """One launch command; None when ``run_id`` exists already (a new run) or is missing (a resume)."""
     spec = target.spec
     layout = spec.layout
     run_dir = layout.run_dir(run_id)
@@ -361,6 +503,8 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
         argv=tuple(argv),
         started_at=now.isoformat(timespec="seconds"),
         target=spec.name,
+        resumed_from=resume.step if resume else None,
+        checkpoint=resume.checkpoint if resume else "",
     )
     record = {
         "run_id": run_id,
@@ -374,10 +518,14 @@ def _launch(target: Target, release: str, run_id: str, now: dt.datetime) -> RunI
         "config": spec.run.config,
         "env_keys": sorted(spec.run.env),
         "tmux_session": RUN_SESSION,
+        "resumed_from": info.resumed_from,
+        "checkpoint": info.checkpoint,
     }
-    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, json.dumps(record), *argv]
+    mode = "resume" if resume else "new"
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
     try:
-        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(run_env(spec)), timeout=60)
+        env = {**run_env(spec), **wrapper_env(spec)}
+        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:
             return None
@@ -453,3 +601,104 @@ def follow_log(target: Target, lines: int = 50) -> None:
         target.run_stream(argv, check=False)
     except KeyboardInterrupt:
         return
+
+
+# --- run dirs: list and prune -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run dir at a glance (``fab runs``)."""
+
+    run_id: str
+    state: str  # live | finished | stopped | failed
+    step: int | None
+    total_steps: int | None
+    checkpoint_step: int | None  # the newest checkpoint: where `fab train --from` continues
+    launches: int
+    size_kib: int | None
+    latest: bool
+
+
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
+    def event(name: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(fields.get(name, "") or "{}")
+        except json.JSONDecodeError:
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    step, phase = event("step"), event("phase").get("phase")
+    exit_code = _int_or_none(fields.get("exit_code", ""))
+    if fields.get("alive") == "1":
+        state = "live"
+    elif phase == "done" and exit_code in (0, None):
+        state = "finished"
+    elif exit_code == 0 or (exit_code is None and phase == "stopped"):
+        state = "stopped"
+    else:
+        state = "failed"
+    ck = _CHECKPOINT_NAME.match(fields.get("checkpoint", ""))
+    return RunSummary(
+        run_id=run_id,
+        state=state,
+        step=step.get("step") if isinstance(step.get("step"), int) else None,
+        total_steps=step.get("total_steps") if isinstance(step.get("total_steps"), int) else None,
+        checkpoint_step=int(ck.group(1)) if ck else None,
+        launches=_int_or_none(fields.get("launches", "")) or 0,
+        size_kib=_int_or_none(fields.get("size_kib", "")),
+        latest=run_id == latest,
+    )
+
+
+def parse_runs_list(text: str) -> tuple[list[RunSummary], list[str]]:
+    """``runs_list.sh`` output -> (the runs, oldest first; the run ids removed) (pure)."""
+    blocks: list[tuple[str, dict[str, str]]] = []
+    removed: list[str] = []
+    latest = ""
+    for line in text.splitlines():
+        if line.startswith("@@run "):
+            blocks.append((line[6:].strip(), {}))
+        elif line.startswith("@@removed "):
+            removed.append(line[10:].strip())
+        elif line.startswith("@@latest"):
+            latest = line[8:].strip()
+        elif blocks:
+            key, _, value = line.partition(" ")
+            blocks[-1][1][key] = value.strip()
+    return [_summary(run_id, fields, latest) for run_id, fields in blocks], removed
+
+
+def list_runs(target: Target, keep: int = 0) -> tuple[list[RunSummary], list[str]]:
+    """The target's run dirs; with ``keep`` > 0 first remove those older than the newest ``keep``
+    (never runs/latest's, never one whose process group is alive). One command."""
+    result = target.run(remote.sh("runs_list.sh", target.spec.workdir, str(max(keep, 0))), timeout=120)
+    return parse_runs_list(result.stdout)
+
+
+def prune_runs(target: Target) -> str:
+    """After a launch: keep the newest ``keep_runs`` run dirs; a line saying what went, or ""."""
+    _, removed = list_runs(target, keep=target.spec.keep_runs)
+    if not removed:
+        return ""
+    return f"{target.name}: removed {len(removed)} old run dir(s) beyond keep_runs = {target.spec.keep_runs}"
+
+
+def runs_text(name: str, found: Sequence[RunSummary]) -> str:
+    """``fab runs``: one line per run dir, newest last."""
+    if not found:
+        return f"{name}: no runs yet (`fab train` starts one)"
+    rows = [("run", "state", "step", "checkpoint", "launches", "size")]
+    for r in found:
+        steps = "-" if r.step is None else f"{r.step}/{r.total_steps or '?'}"
+        size = "-" if r.size_kib is None else f"{r.size_kib / 1024:.1f} MiB"
+        ck = "-" if r.checkpoint_step is None else f"step {r.checkpoint_step}"
+        rows.append((r.run_id + (" (latest)" if r.latest else ""), r.state, steps, ck, str(r.launches), size))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"{name}:"] + [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    ]
+    return "\n".join(line.rstrip() for line in lines)

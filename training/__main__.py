@@ -5,6 +5,7 @@
     python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32]
     python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
     python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
+    python -m training resume-check --config NAME|PATH --run-dir DIR [--section.key=value ...]
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N+M",
         help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
     )
+    check = sub.add_parser("resume-check", help="can --run-dir resume with this config? (read-only)")
+    check.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
+    check.add_argument("--run-dir", required=True, type=Path)
     sub.add_parser("plan", help="split advisor: probe rates, predict each N+M split (training.run.plan)")
     evaluate = sub.add_parser("eval", help="measure real acceptance of the newest checkpoint of a run")
     evaluate.add_argument("--run-dir", required=True, type=Path)
@@ -75,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     args, extra = _parser().parse_known_args(argv)
+    if args.command == "resume-check":  # read-only: never writes an event into the run dir
+        from training.run.resume_check import resume_check
+
+        try:
+            _check_overrides(extra)
+            return resume_check(args.config, args.run_dir, extra)
+        except TrainingError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     run_dir: Path | None = getattr(args, "run_dir", None)
     try:
         if args.command == "train":

@@ -81,6 +81,7 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
         "mem_gib": "float",
     },
     "checkpoint": {"step": "int", "path": "str", "seconds": "float"},
+    "resume": {"step": "int", "path": "str"},
     "eval": {"step": "int", "tau_mean": "float", "tau_hist": "list[int]", "tau_estimate": "float"},
     "compile_cache": {
         "fxgraph_hit": "int",

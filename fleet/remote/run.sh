@@ -7,7 +7,16 @@
 # - loads the run's environment from RUN_DIR/run.env (0600, written from stdin by the launcher,
 #   so secrets never appear in argv or `ps`) and deletes the file once read;
 # - runs ARGV with cwd and PYTHONPATH = RELEASE_DIR, output teed to RUN_DIR/train.log;
-# - writes the trainer's own exit status (not tee's) to RUN_DIR/exit_code and exits with it.
+# - writes the trainer's own exit status (not tee's) to RUN_DIR/exit_code and exits with it;
+# - with a restart policy (FLEET_RESTART_MAX > 0 in run.env) runs ARGV again after a non-zero exit,
+#   up to that many times, FLEET_RESTART_BACKOFF_S seconds apart (the trainer resumes from its
+#   newest checkpoint), unless `fab stop` asked for the end (RUN_DIR/stop_signal), the exit was 2
+#   (a config error) or the attempt's log shows a cause listed in FLEET_NO_RETRY (lines
+#   "signature<TAB>fixed string"). Each ended attempt is one line of RUN_DIR/attempts.jsonl.
+# - with notifications (FLEET_NOTIFY_URL and/or FLEET_NOTIFY_COMMAND in run.env) runs
+#   RELEASE_DIR/remote/run_notify.py with ARGV's python: `watch` beside the trainer (stalls) and
+#   `send` when the run finishes, fails or is restarted. Those values (a webhook URL or header may
+#   hold a secret) reach only the notifier's environment: never argv, the trainer or the log.
 set -u
 run_dir=$1
 release_dir=$2
@@ -27,12 +36,41 @@ if [ -f "$run_dir/run.env" ]; then
     . "$run_dir/run.env"
     rm -f -- "$run_dir/run.env"
 fi
+restart_max=${FLEET_RESTART_MAX:-0}
+backoff_s=${FLEET_RESTART_BACKOFF_S:-60}
+no_retry=${FLEET_NO_RETRY:-}
+unset FLEET_RESTART_MAX FLEET_RESTART_BACKOFF_S FLEET_NO_RETRY
+notify_url=${FLEET_NOTIFY_URL:-}
+notify_headers=${FLEET_NOTIFY_HEADERS:-}
+notify_command=${FLEET_NOTIFY_COMMAND:-}
+notify_target=${FLEET_NOTIFY_TARGET:-}
+stall_s=${FLEET_NOTIFY_STALL_S:-600}
+unset FLEET_NOTIFY_URL FLEET_NOTIFY_HEADERS FLEET_NOTIFY_COMMAND FLEET_NOTIFY_TARGET FLEET_NOTIFY_STALL_S
+notifier="$release_dir/remote/run_notify.py"
+python=${1:-python3}
+notifying=""
+if [ -n "$notify_url$notify_command" ] && [ -f "$notifier" ]; then
+    notifying=1
+fi
+# The notifier's environment only; its output (one line per failed delivery) goes to the log.
+notify_run() {
+    FLEET_NOTIFY_URL=$notify_url FLEET_NOTIFY_HEADERS=$notify_headers FLEET_NOTIFY_COMMAND=$notify_command \
+        FLEET_NOTIFY_TARGET=$notify_target "$python" -I "$notifier" "$@" >> "$log" 2>&1
+}
+notify() {  # STATE CAUSE
+    if [ -n "$notifying" ]; then
+        notify_run send "$run_dir" "$1" "$2" || true
+    fi
+}
 export PYTHONPATH="$release_dir"
 export PYTHONUNBUFFERED=1
 export FLEET_RUN_DIR="$run_dir"
 export FLEET_RELEASE_DIR="$release_dir"
 
 finish() {
+    if [ -n "${watcher:-}" ]; then
+        kill "$watcher" 2>/dev/null || true
+    fi
     printf '%s\n' "$1" > "$run_dir/exit_code.tmp" && mv -f -- "$run_dir/exit_code.tmp" "$run_dir/exit_code"
     printf 'fleet: run exited with code %s\n' "$1" | tee -a "$log"
     exit "$1"
@@ -42,6 +80,73 @@ cd -- "$release_dir" || finish 97
 # Signals reach the whole group: this shell only notes them (so it still records the exit code),
 # tee ignores them (so the trainer can still log its checkpoint), the trainer handles them.
 trap ':' TERM INT HUP
-printf 'fleet: %s\n' "$*" >> "$log"
-"$@" 2>&1 | (trap '' TERM INT HUP; exec tee -a -- "$log")
-finish "${PIPESTATUS[0]}"
+# Why an attempt that failed must not be retried ("" = it may be): exit 2, or a known cause.
+no_retry_cause() {
+    code=$1
+    from=$2
+    if [ "$code" -eq 2 ]; then
+        printf 'config-error'
+        return
+    fi
+    while IFS=$'\t' read -r sig needle; do
+        [ -n "$needle" ] || continue
+        if tail -c "+$from" -- "$log" 2>/dev/null | grep -qF -- "$needle"; then
+            printf '%s' "$sig"
+            return
+        fi
+    done <<< "$no_retry"
+}
+
+record_attempt() {  # attempt exit_code cause retry
+    printf '{"attempt": %s, "exit_code": %s, "cause": "%s", "retry": %s, "ts": %s}\n' \
+        "$1" "$2" "$3" "$4" "$(date +%s)" >> "$run_dir/attempts.jsonl"
+}
+
+watcher=""
+cause=""
+if [ -n "$notifying" ]; then
+    (trap - TERM INT HUP; notify_run watch "$run_dir" "$stall_s") &
+    watcher=$!
+fi
+attempt=1
+while :; do
+    from=$(($(stat -c %s -- "$log" 2>/dev/null || echo 0) + 1))
+    printf 'fleet: %s\n' "$*" >> "$log"
+    "$@" 2>&1 | (trap '' TERM INT HUP; exec tee -a -- "$log")
+    code=${PIPESTATUS[0]}
+    if [ "$code" -eq 0 ] || [ "$restart_max" -le 0 ]; then
+        break
+    fi
+    cause=$(no_retry_cause "$code" "$from")
+    if [ -e "$run_dir/stop_signal" ]; then
+        record_attempt "$attempt" "$code" "stopped by fab stop" false
+        break
+    fi
+    if [ -n "$cause" ]; then
+        record_attempt "$attempt" "$code" "$cause (not retryable)" false
+        printf 'fleet: exit %s: %s is not retryable; no restart\n' "$code" "$cause" | tee -a -- "$log"
+        break
+    fi
+    if [ "$attempt" -gt "$restart_max" ]; then
+        record_attempt "$attempt" "$code" "exit $code" false
+        printf 'fleet: exit %s; the %s restart(s) allowed are used up\n' "$code" "$restart_max" | tee -a -- "$log"
+        break
+    fi
+    record_attempt "$attempt" "$code" "exit $code" true
+    notify restarted "exit $code; attempt $((attempt + 1)) of $((restart_max + 1)) in ${backoff_s}s"
+    printf 'fleet: exit %s; restart %s of %s in %ss (attempt %s)\n' \
+        "$code" "$attempt" "$restart_max" "$backoff_s" "$((attempt + 1))" | tee -a -- "$log"
+    sleep "$backoff_s"
+    if [ -e "$run_dir/stop_signal" ]; then  # `fab stop` during the back-off
+        break
+    fi
+    attempt=$((attempt + 1))
+done
+if [ "$code" -ne 0 ]; then
+    if [ ! -e "$run_dir/stop_signal" ]; then
+        notify failed "exit $code${cause:+ ($cause)}"
+    fi
+elif [ ! -e "$run_dir/stop_signal" ]; then
+    notify finished ""
+fi
+finish "$code"

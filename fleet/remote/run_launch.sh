@@ -1,8 +1,12 @@
 # shellcheck shell=sh
-# fleet run launch (sent as `sh -c <this> fleet-run-launch WORKDIR TMUX SESSION RUN_ID RELEASE_ID RUN_JSON ARGV...`).
+# fleet run launch (sent as `sh -c <this> fleet-run-launch WORKDIR TMUX SESSION RUN_ID RELEASE_ID MODE RUN_JSON ARGV...`).
 # stdin carries the run's environment file (`export K='v'` lines): secrets never travel in argv.
-# Exit 75: a run is live in SESSION (the caller re-checks and names it); 73: RUN_ID exists;
-# 66: the release has no remote/run.sh; 70: the run's wrapper (run.sh) did not start.
+# MODE `new` makes the run dir; `resume` launches again in the existing one (the trainer continues
+# from its newest checkpoint): run.json becomes this launch's record, the previous launch's exit
+# files go, and nothing of the run dir is removed if the launch fails.
+# Every launch that started appends its record to RUN_DIR/segments.jsonl as {"segment": N, ...}.
+# Exit 75: a run is live in SESSION (the caller re-checks and names it); 73: RUN_ID exists (new)
+# or is missing (resume); 66: the release has no remote/run.sh; 70: the wrapper did not start.
 #
 # A launch is done when run.sh has taken its environment (it deletes run.env once sourced).
 # Only then does runs/latest move to the new run. Any failure before that removes the new run
@@ -14,8 +18,9 @@ tmux=$2
 session=$3
 run_id=$4
 release=$5
-run_json=$6
-shift 6
+mode=$6
+run_json=$7
+shift 7
 rel_dir="$workdir/releases/$release"
 run_dir="$workdir/runs/$run_id"
 test -f "$rel_dir/remote/run.sh" || { echo "release $release has no remote/run.sh: redeploy" >&2; exit 66; }
@@ -27,11 +32,18 @@ if "$tmux" has-session -t "=$session" 2>/dev/null; then
     "$tmux" kill-session -t "=$session"
 fi
 mkdir -p -- "$workdir/runs"
-if [ -e "$run_dir" ] || [ -L "$run_dir" ]; then
-    echo "run directory $run_dir exists" >&2
-    exit 73
+if [ "$mode" = resume ]; then
+    if [ ! -d "$run_dir" ] || [ -L "$run_dir" ]; then
+        echo "run directory $run_dir is missing" >&2
+        exit 73
+    fi
+else
+    if [ -e "$run_dir" ] || [ -L "$run_dir" ]; then
+        echo "run directory $run_dir exists" >&2
+        exit 73
+    fi
+    mkdir -- "$run_dir"
 fi
-mkdir -- "$run_dir"
 started=""
 undo() {
     [ -n "$started" ] && return 0
@@ -39,11 +51,25 @@ undo() {
     if "$tmux" list-panes -s -t "=$session" -F '#{pane_start_command}' 2>/dev/null | grep -qF -- "$run_dir"; then
         "$tmux" kill-session -t "=$session" 2>/dev/null || true
     fi
-    rm -rf -- "$run_dir"
+    if [ "$mode" = resume ]; then
+        # The run's history stays, as the previous launch left it; no secret is left at rest.
+        rm -f -- "$run_dir/run.env"
+        for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
+            if [ -e "$run_dir/.prev-$f" ]; then mv -f -- "$run_dir/.prev-$f" "$run_dir/$f"; fi
+        done
+    else
+        rm -rf -- "$run_dir"
+    fi
 }
 trap undo EXIT
 (umask 077 && cat > "$run_dir/run.env")
-printf '%s\n' "$run_json" > "$run_dir/run.json"
+# The previous launch's outcome is not this one's (status reads exit_code and stop_signal); kept
+# aside until this launch has started, put back if it does not. The restart policy counts the
+# attempts of one launch: the previous launch's go to attempts-earlier.jsonl.
+for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
+    if [ -e "$run_dir/$f" ]; then mv -f -- "$run_dir/$f" "$run_dir/.prev-$f"; fi
+done
+printf '%s\n' "$run_json" > "$run_dir/run.json.tmp" && mv -f -- "$run_dir/run.json.tmp" "$run_dir/run.json"
 # The pane starts as a placeholder so remain-on-exit is set before the run's command exists;
 # respawn-pane then replaces it: a run that dies at once still leaves its exit status readable.
 "$tmux" new-session -d -s "$session" -c "$rel_dir" sh -c 'sleep 3600' "$run_dir" \; \
@@ -70,4 +96,14 @@ done
 ln -s -- "$run_id" "$workdir/runs/.latest.tmp-$run_id"
 mv -T -- "$workdir/runs/.latest.tmp-$run_id" "$workdir/runs/latest"
 started=1
+if [ -e "$run_dir/.prev-attempts.jsonl" ]; then
+    cat -- "$run_dir/.prev-attempts.jsonl" >> "$run_dir/attempts-earlier.jsonl"
+fi
+rm -f -- "$run_dir/.prev-exit_code" "$run_dir/.prev-stop_signal" "$run_dir/.prev-pid" \
+    "$run_dir/.prev-pgid" "$run_dir/.prev-run.json" "$run_dir/.prev-attempts.jsonl"
+segment=1
+if [ -f "$run_dir/segments.jsonl" ]; then
+    segment=$(($(wc -l < "$run_dir/segments.jsonl") + 1))
+fi
+printf '{"segment": %s, %s\n' "$segment" "${run_json#\{}" >> "$run_dir/segments.jsonl"
 printf '%s\n' "$run_dir"

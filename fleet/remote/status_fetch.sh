@@ -3,6 +3,7 @@
 #   sh -c <this> fleet-status-fetch WORKDIR TMUX SESSION EVENT_BYTES BOUNDARY NVIDIA_SMI FIELDS [LOG_BYTES]
 # Prints sections `<BOUNDARY> <name>` (BOUNDARY is random per call): the target's clock, the latest
 # run id, its tmux pane, run.json, the pid, exit_code and stop_signal files of run.sh / `fab stop`,
+# the last lines of attempts.jsonl (the restart policy's record),
 # size+mtime and the last bytes (`tail -c`) of events.jsonl and train.log, and the
 # `nvidia-smi --query-gpu` table when NVIDIA_SMI is not empty.
 # A log of many GB is never read whole. The `end` section tells the caller the answer is complete.
@@ -31,6 +32,8 @@ if [ -n "$run" ] && [ -d "$d" ]; then
         sec "$f"
         cat -- "$d/$f" 2>/dev/null
     done
+    sec attempts
+    tail -n 20 -- "$d/attempts.jsonl" 2>/dev/null
     for f in events.jsonl train.log; do
         sec "stat $f"
         stat -c '%s %Y' -- "$d/$f" 2>/dev/null

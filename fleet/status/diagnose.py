@@ -264,6 +264,18 @@ _FALLBACKS: tuple[tuple[re.Pattern[str], Matcher], ...] = (
 
 # Signatures that mean the process died (not a warning it survived): a log that shows one has
 # failed, even when nothing says whether its process still runs (`fab status --log`).
+# Causes that running the same command again cannot fix, as fixed strings the run's wrapper
+# looks for in the failed attempt's log before a restart (restart policy, fleet/remote/run.sh;
+# exit 2, a config error, is never retried either). Each is a literal part of its signature's
+# pattern in _SIGNATURES (tests check it).
+NOT_RETRYABLE: tuple[tuple[str, str], ...] = (
+    ("fx-trace-threads", "Detected that you are using FX to symbolically trace a dynamo-optimized"),
+    ("nvml-mismatch", "Driver/library version mismatch"),
+    ("nvml-mismatch", "NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
+    ("import-error", "ModuleNotFoundError: "),
+    ("import-error", "ImportError: "),
+)
+
 FATAL_SIGNATURES = frozenset(
     {
         "fx-trace-threads",

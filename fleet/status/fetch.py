@@ -109,6 +109,7 @@ def parse_fetch(
         log_size=_int(log_stat[0]) if log_stat else None,
         started_at=_iso_seconds(run_json.get("started_at")),
         stop_signal=s.get("stop_signal", "").strip(),
+        attempts=tuple(_attempts(s.get("attempts", ""))),
     )
     ev_size = _int(ev_stat[0]) if ev_stat else None
     gpus = gpu_rows_from_csv(s["gpus"], gpu_targets) if s.get("gpus", "").strip() else ()
@@ -119,6 +120,16 @@ def parse_fetch(
         log_text=_strip_last_nl(s.get("tail train.log", "")),
         gpus=gpus,
     )
+
+
+def _attempts(text: str) -> list[Mapping[str, Any]]:
+    """attempts.jsonl lines (run.sh's restart record) -> objects; unreadable lines skipped."""
+    found = []
+    for line in text.splitlines():
+        obj = _json_object(line)
+        if obj:
+            found.append(obj)
+    return found
 
 
 def _strip_last_nl(text: str) -> str:

@@ -164,6 +164,7 @@ class RunFacts:
     stop_signal: str = ""  # what `fab stop` sent (TERM / KILL), "" when it never did
     kernel_log_readable: bool | None = None  # None: not read (only a SIGKILLed run's is)
     kernel_oom: tuple[str, ...] = ()  # the kernel's OOM-killer lines from the run's lifetime
+    attempts: tuple[Mapping[str, Any], ...] = ()  # attempts.jsonl: ended attempts (restart policy)
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,17 @@ class RunStatus:
     last_activity_age_s: float | None = None
     notes: tuple[str, ...] = field(default=())
     targets: tuple[TargetPath, ...] = field(default=())  # one per rank that runs the target forward
+    # One continuous history across launches of the run dir (resumes, restarts): the launches seen
+    # in the events read, where the live one resumed, and (step, loss) of the step rank, steps
+    # strictly increasing (a step redone after a resume replaces the earlier one).
+    segments: int = 0
+    resumed_from: int | None = None
+    checkpoint_s: float | None = None  # median write time of the checkpoints in the events read
+    history: tuple[tuple[int, float | None], ...] = field(default=())
+    # The restart policy: the attempt running (or last run) in this launch, 1 without restarts,
+    # and why the attempt before it ended ("exit 137", "config-error (not retryable)", ...).
+    attempt: int = 1
+    last_cause: str = ""
 
     def target_paths(self) -> list[tuple[str, list[int]]]:
         """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
@@ -224,6 +236,7 @@ class RunStatus:
         data["tokens_per_s_by_role"] = dict(self.tokens_per_s_by_role)
         data["targets"] = [{**asdict(t), "kernels": dict(t.kernels)} for t in self.targets]
         data["exit_code"] = self.exit_code
+        data["history"] = [{"step": step, "loss": loss} for step, loss in self.history]
         return _json_safe(data)
 
 
@@ -275,8 +288,9 @@ def run_phase(events: Sequence[Mapping[str, Any]]) -> tuple[str, float | None]:
         kind = ev.get("event")
         ts = float(ev["ts"])
         phase: str | None = None
-        if kind == "run_start":
+        if kind == "run_start":  # a new launch of the run dir (a resume): its phases start over
             started.add(rank)
+            per_rank.pop(rank, None)
         elif kind == "phase" and isinstance(ev.get("phase"), str):
             phase = ev["phase"]
         elif kind in ("step", "balance") and per_rank.get(rank, ("", 0.0))[0] not in ("train", *FINAL_PHASES):
@@ -332,6 +346,64 @@ def derive_state(
     return state, phase_since, ""
 
 
+def continuous_events(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The events of a run dir as one history across its launches (pure).
+
+    A resumed launch redoes the steps after its checkpoint: the ``step`` events the earlier launch
+    wrote past that checkpoint are superseded. They are dropped when the launch's ``resume`` event
+    (step k: steps > k of that rank) or, without one (a launch that found no checkpoint), its first
+    step event at or below a step already seen arrives. What is left has strictly increasing steps
+    per rank."""
+    kept: list[Mapping[str, Any] | None] = []
+    last_step: dict[int, int] = {}
+    where: dict[int, list[int]] = {}  # rank -> indexes in kept of its step events, in order
+
+    def drop_after(rank: int, step: int) -> None:
+        idx = where.get(rank, [])
+        while idx and kept[idx[-1]]["step"] > step:  # type: ignore[index]
+            kept[idx.pop()] = None
+        last_step[rank] = kept[idx[-1]]["step"] if idx else 0  # type: ignore[index]
+
+    for ev in events:
+        rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
+        kind = ev.get("event")
+        step = _int(ev.get("step"))
+        if kind == "resume" and step is not None:
+            drop_after(rank, step)
+        elif kind == "step" and step is not None:
+            if step <= last_step.get(rank, 0):
+                drop_after(rank, step - 1)
+            where.setdefault(rank, []).append(len(kept))
+            last_step[rank] = step
+        kept.append(ev)
+    return [ev for ev in kept if ev is not None]
+
+
+def _segments(events: Sequence[Mapping[str, Any]]) -> tuple[int, float | None, int | None]:
+    """(launches seen, when the live one started, the step it resumed from) from ``run_start``
+    events of the lowest rank (one per launch) and ``resume`` events."""
+    starts = [ev for ev in events if ev.get("event") == "run_start"]
+    if not starts:
+        return 0, None, None
+    low = min(ev["rank"] if isinstance(ev.get("rank"), int) else 0 for ev in starts)
+    launches = [float(ev["ts"]) for ev in starts if (ev.get("rank") or 0) == low]
+    since = launches[-1] if launches else None
+    resumed = [
+        _int(ev.get("step"))
+        for ev in events
+        if ev.get("event") == "resume" and since is not None and float(ev["ts"]) >= since
+    ]
+    return len(launches), since, resumed[0] if resumed else None
+
+
+def median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def build_status(
     target: str,
     facts: RunFacts,
@@ -344,7 +416,8 @@ def build_status(
 ) -> RunStatus:
     """The whole picture from text and facts (pure)."""
     parsed = parse_events(events_text, truncated=events_truncated)
-    events = parsed.events
+    events = continuous_events(parsed.events)
+    segments, live_since, resumed_from = _segments(events)
     notes: list[str] = []
     if parsed.skipped:
         notes.append(f"{parsed.skipped} unreadable events.jsonl line(s) skipped")
@@ -352,8 +425,12 @@ def build_status(
     buckets = None
     load = None
     cache_by_rank: dict[int, CompileCache] = {}
-    rate_by_rank: dict[int, tuple[str, float]] = {}
-    step_rate_by_rank: dict[int, float] = {}
+    # Steady-state speed: the median over the live launch's windows, per rank (a step event is a
+    # window of one step, a balance event one of pipeline.balance_window_s); a slow first window
+    # (compile, warm-up) or one that held a checkpoint does not move it.
+    step_rates: dict[int, tuple[str, list[float]]] = {}
+    balance_rates: dict[int, tuple[str, list[float]]] = {}
+    checkpoint_times: list[float] = []
     steps: list[Mapping[str, Any]] = []
     step_rank: int | None = None
     checkpoint = None
@@ -380,15 +457,17 @@ def build_status(
             if rank == step_rank:
                 steps.append(ev)
             rate = _num(ev.get("tokens_per_s"))
-            if rate is not None:
-                rate_by_rank[rank] = (role, rate)
-                step_rate_by_rank[rank] = rate
+            if rate is not None and (live_since is None or ev["ts"] >= live_since):
+                step_rates.setdefault(rank, (role, []))[1].append(rate)
         elif kind == "balance" and _num(ev.get("tokens_per_s")) is not None:
-            rate_by_rank[rank] = (role, float(ev["tokens_per_s"]))
+            if live_since is None or ev["ts"] >= live_since:
+                balance_rates.setdefault(rank, (role, []))[1].append(float(ev["tokens_per_s"]))
         elif kind == "checkpoint" and _int(ev.get("step")) is not None:
             checkpoint = Checkpoint(
                 ev["step"], str(ev.get("path", "")), _num(ev.get("seconds")) or 0.0, ev["ts"]
             )
+            if _num(ev.get("seconds")) is not None:
+                checkpoint_times.append(float(ev["seconds"]))
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
         elif kind == "target" and isinstance(ev.get("kernels"), dict):
@@ -429,9 +508,12 @@ def build_status(
         notes.append(note)
 
     last = steps[-1] if steps else None
+    step_median = {rank: median(rates) or 0.0 for rank, (_, rates) in step_rates.items()}
     by_role: dict[str, float] = {}
-    for role, rate in rate_by_rank.values():
-        by_role[role] = by_role.get(role, 0.0) + rate
+    for rank in sorted(step_rates.keys() | balance_rates.keys()):
+        role, rates = balance_rates.get(rank) or step_rates[rank]
+        by_role[role] = by_role.get(role, 0.0) + (median(rates) or 0.0)
+    live_steps = [s for s in steps if live_since is None or s["ts"] >= live_since]
     cache = None
     if cache_by_rank:
         cache = CompileCache(
@@ -465,9 +547,9 @@ def build_status(
         loss_trend=loss_trend([_num(s.get("loss")) for s in steps]),
         tau=_num(last.get("tau")) if last else None,
         eval_tau=eval_tau,
-        tokens_per_s=sum(step_rate_by_rank.values()) if step_rate_by_rank else None,
+        tokens_per_s=sum(step_median.values()) if step_median else None,
         tokens_per_s_by_role=by_role,
-        eta_s=eta_seconds(steps) if state not in ("finished", "stopped", "failed") else None,
+        eta_s=eta_seconds(live_steps) if state not in ("finished", "stopped", "failed") else None,
         gpus=tuple(gpus),
         compile_cache=cache,
         last_checkpoint=checkpoint,
@@ -476,7 +558,22 @@ def build_status(
         last_activity_age_s=(facts.now - last_activity) if facts.now and last_activity else None,
         notes=tuple(notes),
         targets=tuple(targets[r] for r in sorted(targets)),
+        segments=segments,
+        resumed_from=resumed_from,
+        checkpoint_s=median(checkpoint_times),
+        history=tuple((s["step"], _num(s.get("loss"))) for s in steps),
+        attempt=_attempt(facts.attempts),
+        last_cause=str(facts.attempts[-1].get("cause", "")) if facts.attempts else "",
     )
+
+
+def _attempt(attempts: Sequence[Mapping[str, Any]]) -> int:
+    """The attempt now running (after a restart: the last ended one + 1) or last run."""
+    if not attempts:
+        return 1
+    last = attempts[-1]
+    n = _int(last.get("attempt")) or len(attempts)
+    return n + 1 if last.get("retry") is True else n
 
 
 def loss_trend(losses: Sequence[float | None], window: int = 10) -> float | None:

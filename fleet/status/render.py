@@ -146,6 +146,13 @@ def render(st: RunStatus, now: float | None = None) -> Group:
         info.add_row("tokens/s", f"{_f(st.tokens_per_s, ',.0f')}  ({roles})")
     if st.eta_s is not None:
         info.add_row("ETA", _duration(st.eta_s))
+    if st.attempt > 1 or st.last_cause:
+        info.add_row(
+            "attempt", f"{st.attempt}" + (f"  (last ended: {st.last_cause})" if st.last_cause else "")
+        )
+    if st.segments > 1 or st.resumed_from is not None:
+        resumed = f", resumed from step {st.resumed_from}" if st.resumed_from is not None else ""
+        info.add_row("launches", f"{st.segments} (speed and ETA of the live one{resumed})")
     for path, ranks in st.target_paths():
         info.add_row("target", f"{path}  (rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)})")
     if st.compile_cache:
@@ -159,6 +166,8 @@ def render(st: RunStatus, now: float | None = None) -> Group:
     if st.last_checkpoint:
         cp = st.last_checkpoint
         info.add_row("checkpoint", f"step {cp.step}  {cp.path}  ({_ago(cp.ts, now)})")
+    if st.checkpoint_s is not None:
+        info.add_row("checkpoint time", f"{st.checkpoint_s:.2f}s to write (median)")
     if st.last_error:
         message = st.last_error.message
         message = message if len(message) <= 160 else message[:157] + "..."

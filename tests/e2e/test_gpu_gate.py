@@ -167,10 +167,10 @@ def test_our_own_run_on_the_gpu_suggests_fab_stop(
     assert pids, "the selftest run's process never appeared on the host"
 
     replay(container="idle", host="busy", host_pid=pids[0])  # the host's driver: our run holds GPU 0
-    again = remote_fleet.fab("train")
-    assert again.returncode == 7, again.stdout + again.stderr
+    again = remote_fleet.fab("train")  # the live run is refused first, before the GPU gate
+    assert again.returncode == 5, again.stdout + again.stderr
     line = one_line_error(again)
-    assert f"PID {pids[0]} is this project's run: stop it with `fab stop`" in line, line
+    assert "is live" in line and "`fab stop`" in line and "GPU" not in again.stdout, line
     shown = remote_fleet.fab("gpus")
     assert f"PID {pids[0]} on GPU 0 (this project run): root: " in shown.stdout, shown.stdout
     assert "training.selftest" in shown.stdout

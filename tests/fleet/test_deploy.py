@@ -70,6 +70,8 @@ def test_parse_prepare_output_sample() -> None:
     assert state.live_release == "20261130T000000Z-abcdef1"
     dead = text.replace("@@pane\n0 4242", "@@pane\n1 4242")
     assert d.parse_prepare_output(dead).live_release is None
+    # A stopped run's release stays known (and protected from pruning): `fab train` may continue it.
+    assert d.parse_prepare_output(dead).latest_release == "20261130T000000Z-abcdef1"
     with pytest.raises(DeployError):
         d.parse_prepare_output("@@current\n")  # cut short: no @@end
 

@@ -265,3 +265,32 @@ def test_missing_inventory_file(tmp_path: Path) -> None:
         f"fleet: {tmp_path / 'absent.toml'}: inventory not found; "
         "create it (see README) or point FLEET_CONFIG at one"
     )
+
+
+def test_restart_notify_and_keep_runs(tmp_path: Path) -> None:
+    text = """
+[targets.a]
+host = "local"
+workdir = "/tmp/w"
+keep_runs = 3
+[targets.a.run]
+restart = { max = 2, backoff_s = 30 }
+[targets.a.notify]
+url = "https://hooks.example/T000/secret-part"
+headers = { Authorization = "Bearer secret-header" }
+command = ["/usr/local/bin/page-me", "--fleet"]
+"""
+    spec = load_inventory(write(tmp_path, text)).targets["a"]
+    assert (spec.keep_runs, spec.run.restart_max, spec.run.restart_backoff_s) == (3, 2, 30.0)
+    assert spec.notify.enabled and spec.notify.command == ("/usr/local/bin/page-me", "--fleet")
+    assert "secret" not in repr(spec)  # URL and header values may be tokens
+    defaults = load_inventory(write(tmp_path, '[targets.a]\nhost = "local"\nworkdir = "/tmp/w"\n')).targets[
+        "a"
+    ]
+    assert (defaults.keep_runs, defaults.run.restart_max, defaults.notify.enabled) == (10, 0, False)
+    bad = text.replace("https://hooks.example/T000/secret-part", "ftp://x/secret-part")
+    with pytest.raises(ConfigError) as err:
+        load_inventory(write(tmp_path, bad))
+    assert "notify.url" in str(err.value) and "secret" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"restart\.max = -1 must be >= 0"):
+        load_inventory(write(tmp_path, text.replace("max = 2", "max = -1")))

@@ -70,3 +70,13 @@ def test_no_steps_yet_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "train.log").write_text("only a log\n")
     with pytest.raises(ConfigError, match=r"no events\.jsonl"):
         plot_log(tmp_path / "train.log")
+
+
+def test_a_resumed_run_is_plotted_as_one_curve() -> None:
+    """Steps 1..8 logged, killed, resumed from the checkpoint at 5: 6..8 are drawn once (redone)."""
+    first = [step_event(n, loss=9.0) for n in range(1, 9)]
+    resume = {"v": 1, "ts": T0 + 20, "event": "resume", "rank": 0, "role": "drafter", "step": 5, "path": "/c"}
+    second = [step_event(n, loss=1.0) for n in range(6, 11)]
+    data = series_from_events([*first, resume, *second])
+    assert data.loss[0].steps == tuple(range(1, 11))
+    assert data.loss[0].values == (9.0,) * 5 + (1.0,) * 5

@@ -9,6 +9,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,9 @@ import pytest
 from testkit import wait_for
 
 from fleet import deploy as d
-from fleet import runs
+from fleet import remote, runs
 from fleet.errors import RunError
-from fleet.inventory import Commands, RunSpec, TargetSpec
+from fleet.inventory import Commands, NotifySpec, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import LocalTarget, open_target
 from training.events import read_events, validate_event
@@ -321,6 +322,10 @@ def test_live_runs_release_is_never_pruned(target: LocalTarget) -> None:
     assert first.id in releases and releases == sorted([first.id, later[-1]])
     assert runs.basic_status(target, 0).state == "live"  # its code was never touched
     runs.stop_run(target)
+    d.deploy(target, REPO)  # stopped, it is runs/latest and may be continued: its release stays
+    assert first.id in {p.name for p in (Path(target.spec.workdir) / "releases").iterdir()}
+    runs.start_run(target)  # another run becomes runs/latest (on the current release)
+    runs.stop_run(target)
     d.deploy(target, REPO)  # now it may go
     assert first.id not in {p.name for p in (Path(target.spec.workdir) / "releases").iterdir()}
 
@@ -528,3 +533,246 @@ def test_failure_summary_picks_the_line_that_says_why() -> None:
     )
     assert runs.failure_summary("error: bad config\n", 2) == "error: bad config"
     assert runs.failure_summary("", 9) == "exit 9"
+
+
+def test_parse_resume_check_answers() -> None:
+    got = runs.parse_resume_check("r1", "checkpoint 40 150 /w/runs/r1/checkpoints/step-00000040.pt\n")
+    assert got == runs.Resume("r1", 40, 150, "/w/runs/r1/checkpoints/step-00000040.pt")
+    assert runs.parse_resume_check("r1", "none\n") is None
+    with pytest.raises(RunError):
+        runs.parse_resume_check("r1", "something else\n")
+
+
+def test_started_line_names_step_and_checkpoint_of_a_resume() -> None:
+    info = runs.RunInfo("r1", "rel", "/w/runs/r1", (), "now", "t", resumed_from=40, checkpoint="/c.pt")
+    assert runs.started_line("t", info).startswith("t: run r1 resumed at step 41 from checkpoint /c.pt")
+    fresh = runs.RunInfo("r2", "rel", "/w/runs/r2", (), "now", "t")
+    assert runs.started_line("t", fresh).startswith("t: run r2 started (release rel)")
+
+
+def _run_dir(root: Path, run_id: str, *, exit_code: str | None, phase: str, step: int, ckpt: int) -> None:
+    d = root / "runs" / run_id
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "checkpoints" / f"step-{ckpt:08d}.pt").write_bytes(b"x" * 2048)
+    (d / "checkpoints" / f"step-{max(ckpt - 5, 0):08d}.pt").write_bytes(b"x")
+    if exit_code is not None:
+        (d / "exit_code").write_text(exit_code + "\n")
+    step_ev = {
+        "v": 1,
+        "ts": 1.0,
+        "event": "step",
+        "rank": 0,
+        "role": "single",
+        "step": step,
+        "total_steps": 60,
+    }
+    phase_ev = {"v": 1, "ts": 2.0, "event": "phase", "rank": 0, "role": "single", "phase": phase}
+    compact = {"separators": (",", ":")}  # as training.events writes them
+    (d / "events.jsonl").write_text(json.dumps(step_ev, **compact) + "\n" + json.dumps(phase_ev) + "\n")
+    (d / "segments.jsonl").write_text('{"segment": 1}\n{"segment": 2}\n')
+
+
+def test_runs_list_script_lists_and_prunes_old_runs_but_never_the_latest(tmp_path: Path) -> None:
+    """The shipped script on a real file tree: the newest KEEP stay, runs/latest stays even when old."""
+    ids = [f"2026113{i}T000000Z-tiny-cpu" for i in range(5)]
+    _run_dir(tmp_path, ids[0], exit_code="0", phase="stopped", step=20, ckpt=20)  # latest, but oldest
+    _run_dir(tmp_path, ids[1], exit_code="137", phase="train", step=33, ckpt=30)
+    _run_dir(tmp_path, ids[2], exit_code="0", phase="done", step=60, ckpt=60)
+    _run_dir(tmp_path, ids[3], exit_code="1", phase="error", step=3, ckpt=0)
+    _run_dir(tmp_path, ids[4], exit_code="0", phase="done", step=60, ckpt=60)
+    (tmp_path / "runs" / "latest").symlink_to(ids[0])
+
+    def listing(keep: int) -> tuple[list[runs.RunSummary], list[str]]:
+        out = subprocess.run(
+            remote.sh("runs_list.sh", str(tmp_path), str(keep)), capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return runs.parse_runs_list(out.stdout)
+
+    found, removed = listing(0)
+    assert removed == [] and [r.run_id for r in found] == ids
+    assert [r.state for r in found] == ["stopped", "failed", "finished", "failed", "finished"]
+    assert (found[1].step, found[1].total_steps, found[1].checkpoint_step, found[1].launches) == (
+        33,
+        60,
+        30,
+        2,
+    )
+    assert found[0].latest and not found[1].latest and (found[0].size_kib or 0) >= 2
+    assert "(latest)" in runs.runs_text("t", found) and "33/60" in runs.runs_text("t", found)
+
+    found, removed = listing(2)
+    assert sorted(removed) == [ids[1], ids[2]]  # beyond the newest two; ids[0] is runs/latest
+    assert [r.run_id for r in found] == [ids[0], ids[3], ids[4]]
+
+
+def _wrapper(tmp_path: Path, name: str, script: str, restart_max: int) -> tuple[int, Path]:
+    """Run the shipped run.sh (real bash) on a command; the restart policy as fleet sends it."""
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    spec = TargetSpec(name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max))
+    env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
+    (run_dir / "run.env").write_bytes(runs.env_file_text(env))
+    argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(tmp_path), "sh", "-c", script, "trainer"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60).returncode, run_dir
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    text = (run_dir / "attempts.jsonl").read_text() if (run_dir / "attempts.jsonl").exists() else ""
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_run_wrapper_restarts_a_failed_trainer_but_never_a_cause_a_restart_cannot_fix(tmp_path: Path) -> None:
+    counter = tmp_path / "count"
+    # Killed once (exit 137), then it succeeds: one restart, recorded.
+    flaky = f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n+1)) > {counter}; [ "$n" -ge 1 ] || exit 137'
+    code, run_dir = _wrapper(tmp_path, "flaky", flaky, restart_max=2)
+    assert code == 0 and (run_dir / "exit_code").read_text() == "0\n"
+    assert [(a["attempt"], a["exit_code"], a["retry"]) for a in _attempts(run_dir)] == [(1, 137, True)]
+    log = (run_dir / "train.log").read_text()
+    assert "restart 1 of 2" in log and "FLEET_NO_RETRY" not in log
+    # Always failing: max restarts, then the wrapper gives up with the trainer's exit status.
+    code, run_dir = _wrapper(tmp_path, "broken", "exit 3", restart_max=2)
+    assert code == 3 and [a["retry"] for a in _attempts(run_dir)] == [True, True, False]
+    # A config error (exit 2) and a drifted env (an import error) are never retried.
+    code, run_dir = _wrapper(tmp_path, "config", "echo 'error: bad key' >&2; exit 2", restart_max=2)
+    assert code == 2 and _attempts(run_dir) == [{**_attempts(run_dir)[0], "retry": False}]
+    assert _attempts(run_dir)[0]["cause"] == "config-error (not retryable)"
+    code, run_dir = _wrapper(tmp_path, "drift", "echo 'ModuleNotFoundError: No module named x'; exit 1", 2)
+    assert code == 1 and _attempts(run_dir)[0]["cause"] == "import-error (not retryable)"
+    # Without a policy nothing is recorded and nothing restarts.
+    code, run_dir = _wrapper(tmp_path, "off", "exit 137", restart_max=0)
+    assert code == 137 and _attempts(run_dir) == []
+
+
+def test_not_retryable_strings_are_part_of_their_diagnoses() -> None:
+    from fleet.status.diagnose import NOT_RETRYABLE, diagnose
+
+    for signature, needle in NOT_RETRYABLE:
+        found = [d.signature for d in diagnose(f"Traceback (most recent call last):\n{needle}x y\n", [])]
+        assert signature in found, (signature, needle, found)
+
+
+class _Hook:
+    """A real HTTP server on 127.0.0.1 that records what each POST brought."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.received: list[tuple[str, dict[str, str], dict]] = []
+        hook = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                hook.received.append((self.path, dict(self.headers), json.loads(self.rfile.read(length))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def states(self) -> list[str]:
+        return [body["state"] for _, _, body in self.received]
+
+
+def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Path) -> None:
+    hook = _Hook()
+    secret, header_secret = "tok-9f2c1e", "bearer-77aa"
+    notify = NotifySpec(
+        url=f"{hook.url}/hook?token={secret}", headers={"Authorization": f"Bearer {header_secret}"}
+    )
+
+    def wrapped(name: str, script: str, restart_max: int = 0, stall_s: float = 600) -> Path:
+        run_dir = tmp_path / name
+        (run_dir / "remote").mkdir(parents=True)
+        shutil.copy(remote.path("run_notify.py"), run_dir / "remote" / "run_notify.py")
+        spec = TargetSpec(
+            name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max),
+            notify=notify, stall_window_s=stall_s,
+        )  # fmt: skip
+        env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
+        (run_dir / "run.env").write_bytes(runs.env_file_text(env))
+        argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(run_dir), sys.executable, "-c", script]
+        subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        return run_dir
+
+    step = json.dumps({"v": 1, "ts": 1.0, "event": "step", "rank": 0, "role": "single", "step": 7})
+    write_step = f"open('events.jsonl', 'a').write({step!r} + '\\n')"
+    finished = wrapped("finished", f"import os; os.chdir({str(tmp_path / 'finished')!r}); {write_step}")
+    assert hook.states() == ["finished"]
+    path, headers, body = hook.received[0]
+    assert path == f"/hook?token={secret}" and headers["Authorization"] == f"Bearer {header_secret}"
+    assert body == {"target": "t", "run": "finished", "state": "finished", "step": 7, "cause": "", "fix": ""}
+
+    wrapped("failing", "raise SystemExit(3)", restart_max=1)
+    assert hook.states()[1:] == ["restarted", "failed"]
+    assert hook.received[-1][2]["cause"] == "exit 3" and "fab status" in hook.received[-1][2]["fix"]
+
+    wrapped("stalling", "import time; time.sleep(4)", stall_s=1)
+    assert "stalled" in hook.states()[3:] and hook.states()[-1] == "finished"
+    stalled = next(b for _, _, b in hook.received if b["state"] == "stalled")
+    assert stalled["run"] == "stalling" and "no new event or log output" in stalled["cause"]
+
+    for _, _, body in hook.received:
+        assert secret not in json.dumps(body) and header_secret not in json.dumps(body)
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert secret.encode() not in data and header_secret.encode() not in data, path
+    assert not finished.joinpath("run.env").exists()
+    hook.server.shutdown()
+
+
+def test_a_resume_launch_reuses_the_run_dir_and_a_failed_one_puts_it_back(
+    target: LocalTarget, tmp_path: Path
+) -> None:
+    release = d.deploy(target, REPO)
+    info = runs.start_run(target)
+    wait_for("the first step", lambda: has_step(info.run_dir))
+    runs.stop_run(target, timeout_s=60)
+    run_dir = Path(info.run_dir)
+    (run_dir / "attempts.jsonl").write_text(
+        '{"attempt": 1, "exit_code": 137, "cause": "exit 137", "retry": true}\n'
+    )
+    before = {
+        name: (run_dir / name).read_text() for name in ("exit_code", "run.json", "pgid", "attempts.jsonl")
+    }
+    plan = runs.LaunchPlan(
+        release.id, info.run_id, runs.Resume(info.run_id, 4, 100000, "/c/step-00000004.pt")
+    )
+
+    # tmux cannot make the session: the launch fails, the run dir is as the first launch left it.
+    real_tmux = target.spec.commands.tmux
+    broken = tmp_path / "tmux-broken"
+    broken.write_text(f'#!/bin/sh\ncase "$*" in *new-session*) exit 1 ;; esac\nexec {real_tmux} "$@"\n')
+    broken.chmod(0o755)
+    with open_target(replace(target.spec, commands=replace(target.spec.commands, tmux=str(broken)))) as t:
+        with pytest.raises(RunError, match="could not start run"):
+            runs.start_run(t, plan=plan)
+    assert {name: (run_dir / name).read_text() for name in before} == before
+    assert not (run_dir / "run.env").exists() and not (run_dir / "segments.jsonl").read_text().count("\n") > 1
+
+    resumed = runs.start_run(target, plan=plan)
+    assert (resumed.run_id, resumed.run_dir, resumed.resumed_from) == (info.run_id, info.run_dir, 4)
+    segments = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    assert [(s["segment"], s["resumed_from"]) for s in segments] == [(1, None), (2, 4)]
+    assert json.loads((run_dir / "run.json").read_text())["checkpoint"] == "/c/step-00000004.pt"
+    assert not (run_dir / "attempts.jsonl").exists()  # the restart policy counts per launch
+    assert (run_dir / "attempts-earlier.jsonl").read_text() == before["attempts.jsonl"]
+
+    def steps_of_second_launch() -> bool:
+        kinds = [e["event"] for e in events_of(info.run_dir)]
+        starts = [i for i, k in enumerate(kinds) if k == "run_start"]
+        return len(starts) == 2 and "step" in kinds[starts[1] :]
+
+    wait_for("a step of the resumed launch", steps_of_second_launch)
+    assert runs.basic_status(target, 0).state == "live"
+    assert not (run_dir / "exit_code").exists()
+    runs.stop_run(target, timeout_s=60)
+    assert (run_dir / "exit_code").read_text() == "0\n"

@@ -627,3 +627,52 @@ def test_a_pane_that_is_not_the_runs_lends_it_nothing() -> None:
     mine = out.replace("@@B pid\n555", "@@B pid\n777")
     facts = parse_fetch(mine, "@@B").facts
     assert (facts.alive, facts.exit_code) == (False, 3)
+
+
+# --------------------------------------------------------------------------- launches of one run dir
+
+
+def resume_ev(ts: float, n: int, rank: int = 0, role: str = "single") -> str:
+    return ev(ts, "resume", rank, role, step=n, path=f"/r/checkpoints/step-{n:08d}.pt")
+
+
+def checkpoint_ev(ts: float, n: int, seconds: float) -> str:
+    return ev(ts, "checkpoint", step=n, path=f"/r/checkpoints/step-{n:08d}.pt", seconds=seconds)
+
+
+def test_a_resumed_run_is_one_history_with_the_live_launchs_speed_and_eta() -> None:
+    """Launch 1 logs steps 1..35 (checkpoint at 20) and is killed; launch 2 resumes at 20 and redoes
+    21..35 at another speed: steps counted once, the redone values win, speed and ETA are launch 2's."""
+    first = [step(i, i, loss=10.0 - i / 10, rate=1000.0) for i in range(1, 36)]
+    first.insert(20, checkpoint_ev(20.5, 20, 0.5))
+    relaunch = START[0].replace(f'"ts": {T0}', f'"ts": {T0 + 100}')
+    second = [relaunch, resume_ev(101, 20)]
+    second += [
+        step(100 + 2 * (i - 20), i, loss=5.0, rate=2000.0 + (50.0 if i == 21 else 0)) for i in range(21, 41)
+    ]
+    second.append(checkpoint_ev(141, 40, 1.5))
+    st = status([*START, *first, *second], RunFacts(run_id="r1", alive=True, now=T0 + 141))
+    assert [s for s, _ in st.history] == list(range(1, 41))
+    assert dict(st.history)[21] == 5.0 and dict(st.history)[20] == pytest.approx(8.0)
+    assert (st.segments, st.resumed_from, st.step) == (2, 20, 40)
+    assert st.tokens_per_s == 2000.0  # median of launch 2's windows; launch 1's 1000s do not count
+    assert st.eta_s == pytest.approx(60 * 2.0)  # 2 s per step in launch 2, 60 steps left
+    assert st.checkpoint_s == pytest.approx(1.0)  # median of 0.5 and 1.5
+    data = st.to_json()
+    steps = [h["step"] for h in data["history"]]
+    assert steps == sorted(set(steps)) and data["segments"] == 2
+    assert "resumed from step 20" in render_text(st) and "checkpoint time" in render_text(st)
+
+
+def test_a_relaunch_without_resume_event_starts_its_history_over() -> None:
+    """A launch that found no checkpoint redoes steps from 1: its steps replace the earlier ones."""
+    first = [step(i, i, loss=9.0) for i in range(1, 6)]
+    second = [step(10 + i, i, loss=4.0) for i in range(1, 4)]
+    st = status([*START, *first, *START, *second])
+    assert st.history == ((1, 4.0), (2, 4.0), (3, 4.0))
+
+
+def test_median_tokens_per_s_ignores_a_slow_first_window() -> None:
+    rates = [50.0, 1000.0, 1010.0, 990.0, 1005.0]
+    st = status([*START, *(step(i, i, rate=r) for i, r in enumerate(rates, start=1))])
+    assert st.tokens_per_s == 1000.0

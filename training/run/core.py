@@ -400,9 +400,18 @@ def compiles(config: RunConfig, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
+DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # fleet's shared data cache of a workdir (one for all its runs)
+
+
 def data_cache_dir(config: RunConfig, default: Path) -> Path:
-    """``data.cache_dir``, else ``default`` (a run's: ``<run-dir>/data-cache``)."""
-    return Path(config.data.cache_dir).expanduser() if config.data.cache_dir else default
+    """``data.cache_dir``, else ``$FLEET_DATA_CACHE``, else ``default`` (a run's:
+    ``<run-dir>/data-cache``). A shared root holds one tokenized copy per (data files, tokenizer,
+    max_length) fingerprint: ``datasets`` keys its cache files by that hash, so runs of the same
+    data reuse one copy and runs of other data never read it."""
+    if config.data.cache_dir:
+        return Path(config.data.cache_dir).expanduser()
+    shared = os.environ.get(DATA_CACHE_ENV, "")
+    return Path(shared) if shared else default
 
 
 def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path) -> TrainData:

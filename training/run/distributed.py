@@ -287,6 +287,7 @@ class DrafterWorker(Worker):
         )
         if resumed is not None:
             self.step, self.last_tau = resumed.step, resumed.tau
+            self.events.emit("resume", step=self.step, path=resumed.path)
             self._lead(f"Resumed from {resumed.path} at step {self.step}")
         self.drafter = drafter
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

@@ -138,6 +138,7 @@ class Trainer:
         if self.eval_only:
             print0(f"Loaded {resumed.path} (step {self.step})")
         else:
+            self.events.emit("resume", step=self.step, path=resumed.path)
             print0(f"Resumed from {resumed.path} at step {self.step}, next batch {self.position}")
 
     # ----------------------------------------------------------------- loop

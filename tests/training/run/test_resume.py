@@ -83,6 +83,8 @@ def test_kill_9_then_resume_sees_the_same_batches_and_losses(tiny_cache: Path, t
     checkpoints = [e["step"] for e in before if e["event"] == "checkpoint"]
     # The resumed process starts right after the newest checkpoint: no batch repeated or skipped.
     assert min(resumed_losses) == max(checkpoints) + 1
+    marks = [e for e in resumed if e["event"] == "resume"]  # the launch says where it continued
+    assert [(e["step"], Path(e["path"]).name) for e in marks] == [(max(checkpoints), "step-00000002.pt")]
     assert max(resumed_losses) == steps
     for step, loss in resumed_losses.items():
         assert loss == expected[step], (step, loss, expected[step])
@@ -128,6 +130,23 @@ def test_a_resume_with_another_model_or_data_config_is_refused_in_one_line(
     assert "holds checkpoints of another config" in lines[0]
     assert "drafter.num_layers 2 -> 3" in lines[0] and "data.max_length 192 -> 128" in lines[0]
     assert (run_dir / "config.json").read_text() == saved  # nothing overwritten
+    # The same rule, asked before a launch (fleet's `fab train`): read-only, one line.
+    check = [sys.executable, "-m", "training", "resume-check", "--config", "tiny-cpu", "--run-dir"]
+    asked = subprocess.run(
+        [*check, str(run_dir), *SMALL, "--drafter.num_layers=3"], cwd=REPO, env=_env(tiny_cache),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert asked.returncode == 2 and asked.stderr == "changed settings: drafter.num_layers 2 -> 3\n", asked
+    fine = subprocess.run(
+        [*check, str(run_dir), *SMALL], cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True
+    )
+    newest = (run_dir / "checkpoints" / "step-00000002.pt").resolve()
+    assert fine.returncode == 0 and fine.stdout == f"checkpoint 2 150 {newest}\n", fine
+    empty = subprocess.run(
+        [*check, str(tmp_path / "none")], cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True
+    )
+    assert (empty.returncode, empty.stdout) == (0, "none\n"), empty
+    assert (run_dir / "config.json").read_text() == saved
     # More steps, another lr: what a resume may change. It continues from step 2.
     _run_with(run_dir, 4, tiny_cache, "--train.lr=1e-4")
     steps = [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]

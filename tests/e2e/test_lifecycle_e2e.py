@@ -1,0 +1,326 @@
+"""Runs that survive: `fab train` resumes the latest run, end to end through the real test host
+(`fab` -> SSH -> pct shim -> LXC container 200) with the real trainer (tiny-cpu) in env local-cpu.
+
+One deploy, four launches of a short run: stopped by `fab stop` at step k, `fab train` resumes at
+k+1; killed by `fab stop --force` (SIGKILL), `fab train` resumes after the last checkpoint; it
+finishes; then a plain `fab train` starts a new run (the latest one finished), which runs
+uninterrupted and must log the very same losses at every step. A changed drafter setting is
+refused before launch in one line naming the key. With `restart = { max = 2 }` a trainer killed
+mid-run comes back by itself (attempt 2) and finishes; a config error is not retried.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import testkit
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from testkit import RemoteFleet, TestHost
+
+pytestmark = pytest.mark.hosts
+
+STEPS = 40
+RUN = {
+    "module": "training",
+    "config": "tiny-cpu",
+    "overrides": [
+        f"--train.steps={STEPS}",
+        "--checkpoint.every=5",
+        "--checkpoint.keep=3",
+        "--train.log_every=1",
+        "--eval.num_prompts=0",
+    ],
+    "env": {},
+}
+# The env's packages come from a uv cache kept in the container across tests (torch is large).
+UV_CACHE = "/workspace/.fleet-test-uv-cache"
+RESUMED = re.compile(r"run (\S+) resumed at step (\d+) from checkpoint (\S+)")
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def ct_read(hosts: TestHost, path: str) -> str:
+    result = hosts.pct_exec("cat", "--", path, check=False)
+    return result.stdout if result.returncode == 0 else ""
+
+
+def events(hosts: TestHost, run_dir: str) -> list[dict[str, Any]]:
+    lines = ct_read(hosts, f"{run_dir}/events.jsonl").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def last_step(hosts: TestHost, run_dir: str) -> int:
+    steps = [e["step"] for e in events(hosts, run_dir) if e["event"] == "step"]
+    return steps[-1] if steps else 0
+
+
+def status(fleet: RemoteFleet) -> dict[str, Any]:
+    result = fleet.fab("status", "--json")
+    assert "Traceback" not in result.stderr, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
+    holder: dict[str, Any] = {}
+
+    def final() -> bool:
+        holder["st"] = status(fleet)
+        return holder["st"]["state"] in ("finished", "stopped", "failed") and holder["st"]["alive"] is False
+
+    testkit.wait_for("the run to end", final, timeout=600, interval=1.0)
+    return holder["st"]
+
+
+def trainer_pids(run_dir: str) -> list[int]:
+    """Host-view PIDs of the trainer processes (python ... training train) of ``run_dir``; not run.sh."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if (
+            argv
+            and b"python" in argv[0].rsplit(b"/", 1)[-1]
+            and b"train" in argv
+            and run_dir.encode() in argv
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+HOOK = """
+import http.server, json, os, sys
+out = sys.argv[1]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"path": self.path, "headers": dict(self.headers), "body": body}) + "\\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+with open(out + ".pid", "w") as fh:
+    fh.write(str(os.getpid()))
+with open(out + ".port", "w") as fh:
+    fh.write(str(server.server_address[1]))
+server.serve_forever()
+"""
+
+
+def start_hook(hosts: TestHost, out: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A real HTTP server on the container's 127.0.0.1 (the notifier runs there) recording each POST."""
+    hosts.ct_path("/tmp/fleet-test-hook.py").write_text(HOOK)
+    proc = subprocess.Popen(
+        [hosts.pct, "exec", str(hosts.ct_id), "--", "python3", "/tmp/fleet-test-hook.py", out]
+    )
+    port_file = hosts.ct_path(out + ".port")
+    testkit.wait_for(
+        "the webhook server", lambda: port_file.exists() and bool(port_file.read_text()), timeout=30
+    )
+    return proc, int(port_file.read_text())
+
+
+def command_lines() -> list[bytes]:
+    """Every process's command line on this machine (the container's processes are among them)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            found.append((proc / "cmdline").read_bytes() if proc.name.isdigit() else b"")
+        except OSError:
+            continue
+    return found
+
+
+def received(hosts: TestHost, out: str) -> list[dict[str, Any]]:
+    path = hosts.ct_path(out)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def torch_fleet(remote_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
+    """remote_fleet whose env (torch: thousands of files) is removed with time to spare first."""
+    yield remote_fleet
+    remote_fleet.fab("stop", "--force", timeout=120)
+    remote_fleet.hosts.pct_exec("rm", "-rf", "--", f"{remote_fleet.workdir}/envs", check=False, timeout=900)
+
+
+def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None:
+    fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
+    fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
+    ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
+    run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+    run_dir = f"{workdir}/runs/{run_id}"
+
+    # 1. `fab stop` (SIGTERM: the step finishes and is checkpointed) at some step k; resume at k+1.
+    testkit.wait_for("step 8", lambda: last_step(hosts, run_dir) >= 8, timeout=300, interval=0.3)
+    ok(fleet.fab("stop"))
+    k = last_step(hosts, run_dir)
+    assert k < STEPS, "the run finished before it was stopped"
+    resumed = ok(fleet.fab("train", "--no-warm"))
+    m = RESUMED.search(resumed.stdout)
+    assert m and m.group(1) == run_id and int(m.group(2)) == k + 1, resumed.stdout
+    assert m.group(3).endswith(f"step-{k:08d}.pt")
+
+    # 2. kill -9 (`fab stop --force`) after some more steps; resume after the last checkpoint.
+    testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
+    killed = fleet.fab("stop", "--force")
+    assert killed.returncode == 0, killed.stderr
+    saved = [e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint"]
+    assert last_step(hosts, run_dir) < STEPS, "the run finished before it was killed"
+    assert status(fleet)["state"] == "failed"
+    again = ok(fleet.fab("train", "--no-warm"))
+    m = RESUMED.search(again.stdout)
+    assert m and m.group(1) == run_id and int(m.group(2)) == saved[-1] + 1, again.stdout
+
+    st = wait_final(fleet)
+    assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
+    steps = [h["step"] for h in st["history"]]
+    assert steps == list(range(1, STEPS + 1)), steps  # one history: no step twice, none missing
+    assert st["segments"] == 3 and st["resumed_from"] == saved[-1], st
+    assert st["checkpoint_s"] is not None and st["tokens_per_s"], st
+    resumes = [e["step"] for e in events(hosts, run_dir) if e["event"] == "resume"]
+    assert resumes == [k, saved[-1]]
+    launches = ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()
+    assert [json.loads(line)["segment"] for line in launches] == [1, 2, 3]
+    # One tokenized data cache for the workdir, none inside the run dir.
+    assert hosts.pct_exec("test", "-d", f"{workdir}/data-cache", check=False).returncode == 0
+    assert hosts.pct_exec("test", "-e", f"{run_dir}/data-cache", check=False).returncode == 1
+
+    # 3. The latest run finished: `fab train` starts a new one, uninterrupted: the same losses.
+    fresh = ok(fleet.fab("train", "--no-warm"))
+    assert "finished" in fresh.stdout and "started" in fresh.stdout, fresh.stdout
+    st2 = wait_final(fleet)
+    assert st2["run_id"] != run_id and st2["state"] == "finished", st2
+    assert [h["step"] for h in st2["history"]] == steps
+    assert [h["loss"] for h in st2["history"]] == [h["loss"] for h in st["history"]]
+
+    listed = json.loads(ok(fleet.fab("runs", "--json")).stdout)
+    assert [(r["run_id"], r["state"], r["step"], r["launches"]) for r in listed] == [
+        (run_id, "finished", STEPS, 3),
+        (st2["run_id"], "finished", STEPS, 1),
+    ]
+    assert listed[1]["latest"] and listed[0]["size_kib"] > 0
+
+    # 4. Continuing a run with a changed drafter setting is refused before launch, naming the key.
+    fleet.write(run={**RUN, "overrides": [*RUN["overrides"], "--drafter.num_layers=1"]})
+    refused = fleet.fab("train", "--no-warm", "--from", run_id)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    line = one_line(refused)
+    assert "drafter.num_layers 2 -> 1" in line and "--fresh" in line, line
+    assert len(ct_read(hosts, f"{run_dir}/segments.jsonl").splitlines()) == 3  # nothing launched
+
+    # 5. Restart policy + notifications: the trainer killed mid-run (not the wrapper) comes back by
+    # itself and resumes from its checkpoint; `fab status` shows attempt 2 and why attempt 1 ended.
+    # A webhook on the container's loopback gets restarted, stalled (the trainer frozen by SIGSTOP
+    # for longer than stall_window_s) and finished; its URL token and header never leak.
+    out = f"/tmp/{workdir.rsplit('/', 1)[-1]}-hook.jsonl"
+    hook, port = start_hook(hosts, out)
+    token, bearer = "tok-5e1f0c9a", "hdr-8b2d77"
+    notify = {
+        "url": f"http://127.0.0.1:{port}/hook/{token}",
+        "headers": {"Authorization": f"Bearer {bearer}"},
+    }
+    fleet.write(run={**RUN, "restart": {"max": 2, "backoff_s": 1}}, notify=notify, stall_window_s=6)
+    try:
+        ok(fleet.fab("train", "--no-warm", "--fresh"))
+        run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+        run3_dir = f"{workdir}/runs/{run3}"
+        testkit.wait_for("step 7", lambda: last_step(hosts, run3_dir) >= 7, timeout=300, interval=0.3)
+        release3 = json.loads(ct_read(hosts, f"{run3_dir}/run.json"))["release"]
+        redeployed = ok(fleet.fab("deploy"))  # while the run is live: it stays on its release
+        assert f"the live run stays on release {release3}" in redeployed.stdout, redeployed.stdout
+        for pid in trainer_pids(run3_dir):
+            os.kill(pid, 9)
+        testkit.wait_for("attempt 2's steps", lambda: status(fleet)["attempt"] == 2, timeout=300, interval=1)
+        testkit.wait_for(
+            "a step of attempt 2",
+            lambda: (
+                len(trainer_pids(run3_dir)) == 1 and '"resume"' in ct_read(hosts, f"{run3_dir}/events.jsonl")
+            ),
+            timeout=300,
+            interval=0.5,
+        )
+        frozen = trainer_pids(run3_dir)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            testkit.wait_for(
+                "the stalled notification",
+                lambda: "stalled" in [r["body"]["state"] for r in received(hosts, out)],
+                timeout=120,
+            )
+            cmdlines = command_lines()
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        st3 = wait_final(fleet)
+        assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
+        assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
+        assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2
+        assert [h["loss"] for h in st3["history"]] == [h["loss"] for h in st["history"]]
+        testkit.wait_for(
+            "the finished notification",
+            lambda: received(hosts, out)[-1]["body"]["state"] == "finished",
+            timeout=60,
+        )
+
+        # 6. A config error (exit 2) is never retried; the webhook hears `failed`.
+        bad = [*RUN["overrides"], "--train.no_such_key=1"]
+        fleet.write(run={**RUN, "overrides": bad, "restart": {"max": 2, "backoff_s": 1}})
+        ok(fleet.fab("train", "--no-warm", "--fresh"))
+        st4 = wait_final(fleet)
+        assert (st4["state"], st4["process_exit_code"], st4["attempt"]) == ("failed", 2, 1), st4
+        assert st4["last_cause"] == "config-error (not retryable)", st4
+        testkit.wait_for(
+            "the failed notification",
+            lambda: received(hosts, out)[-1]["body"]["state"] == "failed",
+            timeout=60,
+        )
+    finally:
+        hosts.pct_exec("kill", hosts.ct_path(out + ".pid").read_text().strip(), check=False)
+        hook.wait(timeout=30)
+    got = received(hosts, out)
+    states = [r["body"]["state"] for r in got]
+    # (a slow start-up may be reported as a stall too: stall_window_s is short here)
+    assert states.count("restarted") == 1 and "stalled" in states and states[-2:] == ["finished", "failed"], (
+        states
+    )
+    by_state = {r["body"]["state"]: r["body"] for r in got}
+    assert by_state["restarted"]["run"] == run3 and by_state["restarted"]["cause"].startswith("exit 137")
+    assert by_state["finished"]["step"] == STEPS and by_state["failed"]["cause"].startswith("exit 2")
+    assert set(by_state["failed"]) == {"target", "run", "state", "step", "cause", "fix"}
+    for r in got:
+        assert r["path"] == f"/hook/{token}" and r["headers"]["Authorization"] == f"Bearer {bearer}"
+        assert token not in json.dumps(r["body"]) and bearer not in json.dumps(r["body"])
+    assert not [c for c in cmdlines if token.encode() in c or bearer.encode() in c], (
+        "a command line shows a secret"
+    )
+    for path in [
+        *hosts.ct_path(f"{workdir}/runs").rglob("*"),
+        *hosts.ct_path(f"{workdir}/releases").rglob("*"),
+    ]:
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert token.encode() not in data and bearer.encode() not in data, path
