@@ -523,7 +523,7 @@ def test_export_over_ssh_brings_the_folder_back_byte_for_byte(
     folder as literal arguments and the run's environment on stdin, and the folder (binary
     weights included) arrives intact. The container has no torch, so `commands.python` is a
     stand-in for the trainer's `export` that writes a folder as the trainer does (the trainer's
-    side runs for real in tests/fleet/test_export.py and tests/training/test_export.py)."""
+    side runs for real in tests/fleet/test_fab_export.py and tests/training/test_export.py)."""
     fleet, hosts = remote_fleet, remote_fleet.hosts
     assert fleet.fab("deploy").returncode == 0
     selftest = fleet.fab("export")  # the fixture's run.module is training.selftest
