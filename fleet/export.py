@@ -91,6 +91,18 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
     return result
 
 
+def _plain_members(archive: tarfile.TarFile, where: str) -> list[tarfile.TarInfo]:
+    """The archive's members when every one is a plain file or folder under the archive's root
+    (what tarfile's "data" filter allows for an export; that filter is missing from Python
+    3.11.0-3.11.3, e.g. Debian 12's 3.11.2, so the rule is written out here)."""
+    members = archive.getmembers()
+    for m in members:
+        parts = Path(m.name).parts
+        if not (m.isfile() or m.isdir()) or Path(m.name).is_absolute() or ".." in parts:
+            raise RunError(f"{where}: the export archive holds {m.name!r}, not a plain file under its folder")
+    return members
+
+
 def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     """Copy the exported folder ``remote_path`` on the target to ``dest`` (replaced whole)."""
     dest = dest.resolve()
@@ -111,7 +123,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-            archive.extractall(tmp, filter="data")  # no absolute paths, links or devices
+            archive.extractall(tmp, members=_plain_members(archive, target.name))
         if not (tmp / "config.json").is_file():
             raise RunError(f"{target.name}: {remote_path} holds no config.json")
         if dest.exists():

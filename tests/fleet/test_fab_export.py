@@ -123,3 +123,48 @@ def test_export_from_a_live_run_copies_the_folder_and_leaves_the_run_alone(
     with safe_open(str(local / "model.safetensors"), "pt") as weights:
         names = set(weights.keys())
     assert "fc.weight" in names and "layers.1.mlp.down_proj.weight" in names and len(names) == 25
+
+
+@pytest.mark.parametrize("bad", ["link", "../escape", "/abs"])
+def test_an_export_archive_with_anything_but_plain_files_is_refused(bad: str) -> None:
+    """The --to copy unpacks plain files and folders under the archive's root only (the rule of
+    tarfile's "data" filter, written out for Pythons without it)."""
+    import io
+    import tarfile
+
+    from fleet.export import _plain_members
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        ok = tarfile.TarInfo("config.json")
+        ok.size = 2
+        tar.addfile(ok, io.BytesIO(b"{}"))
+        if bad == "link":
+            link = tarfile.TarInfo("model.safetensors")
+            link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(link)
+        else:
+            f = tarfile.TarInfo(bad)
+            f.size = 1
+            tar.addfile(f, io.BytesIO(b"x"))
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tar:
+        with pytest.raises(RunError, match="not a plain file under its folder"):
+            _plain_members(tar, "t")
+        assert [m.name for m in _plain_members_of_good(tar)] == ["config.json"]
+
+
+def _plain_members_of_good(tar) -> list:
+    """The same archive without its bad member passes the rule."""
+    import io
+    import tarfile
+
+    from fleet.export import _plain_members
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as out:
+        good = tar.getmember("config.json")
+        out.addfile(good, tar.extractfile(good))
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as again:
+        return _plain_members(again, "t")

@@ -164,7 +164,7 @@ def test_a_failed_background_write_raises_in_the_training_thread(tmp_path: Path)
 
 
 KILLED_MID_WRITE = r"""
-import sys, time, torch
+import sys, time, types, torch
 from pathlib import Path
 from training.config import load_config
 from training.run import core
@@ -173,6 +173,7 @@ from training.run.checkpoint import CheckpointWriter
 run_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
+model.cfg = types.SimpleNamespace(mask_token_id=7)  # what checkpoint_state reads of a drafter
 optimizer, scheduler = core.build_optimizer(load_config("tiny-cpu"), model)
 writer = CheckpointWriter(run_dir, keep=2)
 
