@@ -187,7 +187,11 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
     testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
     killed = fleet.fab("stop", "--force")
     assert killed.returncode == 0, killed.stderr
-    saved = [e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint"]
+    # The newest complete checkpoint file: written in the background, its event follows the
+    # file, so a kill can land between the two.
+    files = hosts.ct_path(f"{run_dir}/checkpoints").glob("step-*.pt")
+    saved = sorted(int(p.stem.split("-")[1]) for p in files)
+    assert saved and saved[-1] >= max(e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint")
     assert last_step(hosts, run_dir) < STEPS, "the run finished before it was killed"
     assert status(fleet)["state"] == "failed"
     again = ok(fleet.fab("train", "--no-warm"))
