@@ -65,9 +65,12 @@ profile() {  # torch.profiler top-20 kernels per role (target forward, drafter s
         --warmup 3 --steps 3 --out "$OUT/profile" --data.num_buckets=1 --data.corpus_files=300 \
         | tail -1 | tee "$OUT/profile.json"
 }
+gpu_count() { nvidia-smi -L | grep -c '^GPU'; }
+topology_line() {  # topology_line N: the inventory's 1+1 topology line when N >= 2 GPUs, else nothing
+    if [ "$1" -ge 2 ]; then echo 'topology = "1+1"'; fi
+}
 doctor() {  # fab doctor --bandwidth on a local target of every GPU here; 2+ GPUs: topology 1+1 (run it by name)
-    local n; n=$(nvidia-smi -L | grep -c '^GPU')
-    local topo=""; [ "$n" -ge 2 ] && topo='topology = "1+1"'
+    local n topo; n=$(gpu_count); topo=$(topology_line "$n")
     cat > /tmp/fleet-doctor.toml <<TOML
 default_target = "h200"
 [targets.h200]
@@ -101,8 +104,7 @@ target() {  # qwen3.6-27b-random forward on one H200: fast path with a cold, the
 }
 HYBRID_WORKDIR=/tmp/fleet-hybrid
 hybrid_inventory() {  # a local target of every GPU here running qwen3.6-27b-random, 2+ GPUs as 1+1 (one bucket)
-    local n; n=$(nvidia-smi -L | grep -c '^GPU')
-    local topo=""; [ "$n" -ge 2 ] && topo='topology = "1+1"'
+    local n topo; n=$(gpu_count); topo=$(topology_line "$n")
     cat > /tmp/fleet-hybrid.toml <<TOML
 default_target = "h200"
 [targets.h200]
