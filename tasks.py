@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from invoke import Collection, Context
 from invoke.exceptions import Exit
 
-from fleet.cli import fleet_task, map_targets, on_targets, repo_root, single_target
+from fleet.cli import fleet_task, inventory, map_targets, on_targets, repo_root, selected_run, single_target
 from fleet.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,7 +26,13 @@ def deploy(c: Context) -> None:
     """Upload training/ as a new release and make it current."""
     from fleet import deploy as fleet_deploy
     from fleet import envs as fleet_envs
+    from fleet import multihost
 
+    if run := selected_run():  # a run over several hosts: the same release on each
+        with multihost.opened(inventory(), run) as targets:
+            print("\n".join(multihost.deploy(targets, repo_root())))
+        c.config["fleet_deployed"] = {run.name: True}
+        return
     with single_target(c) as target:
         env = fleet_envs.ensure_env(target, repo_root())  # builds a missing env; refuses a drifted one
         if env.managed:
@@ -52,8 +58,20 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
     """Start the configured run in tmux, or resume the latest one."""
     from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
-    from fleet import runs
+    from fleet import multihost, runs
 
+    if run := selected_run():  # one torchrun agent per host, joined by the c10d rendezvous
+        if from_:
+            raise ConfigError(
+                f"train --from: not for a run over several hosts ({run.name}); use --fresh or nothing"
+            )
+        deployed = bool(c.config.get("fleet_deployed", {}).get(run.name))
+        with multihost.opened(inventory(), run) as targets:
+            started = multihost.train(
+                targets, run, repo_root(), warm=not no_warm, fresh=fresh, deployed=deployed
+            )
+        print("\n".join(multihost.started_lines(run, started)))
+        return
     with single_target(c) as target:
         deployed = c.config.get("fleet_deployed", {}).get(target.name)
         plan = runs.plan_launch(target, deployed, fresh=fresh, from_run=from_)  # refuses a live run first
@@ -96,10 +114,14 @@ def runs(c: Context, json: bool = False) -> None:
 )
 def status(c: Context, watch: str | None = None, json: bool = False, log: str = "") -> None:
     """The run's state, progress, speed, GPUs and diagnosis."""
+    from fleet import multihost
     from fleet.status import fetch, render
 
     interval = render.watch_interval(watch)
-    if log:
+    run = None if log or interval is not None else selected_run()
+    if run is not None:  # one row per host, one verdict
+        code = multihost.show(run, map_targets(c, fetch.fetch_status), as_json=json)
+    elif log:
         code = render.show([("local-log", fetch.status_from_path(Path(log).expanduser()))], as_json=json)
     elif interval is None:
         code = render.show(map_targets(c, fetch.fetch_status), as_json=json)  # exit: the worst state's
@@ -157,8 +179,12 @@ def warm(c: Context, force: bool = False) -> None:
 @fleet_task(help={"force": "kill the run at once (SIGKILL) instead of SIGTERM + checkpoint"})
 def stop(c: Context, force: bool = False) -> None:
     """Stop the live run (SIGTERM + checkpoint; --force kills)."""
-    from fleet import runs
+    from fleet import multihost, runs
 
+    if run := selected_run():  # every host's agent
+        with multihost.opened(inventory(), run) as targets:
+            print("\n".join(multihost.stop(targets, force=force)))
+        return
     with single_target(c) as target:
         print(runs.stop_run(target, force=force).text())
 

@@ -26,7 +26,15 @@ from invoke import Context, task
 from invoke.exceptions import Exit
 
 from fleet.errors import ConfigError, FleetError
-from fleet.inventory import REPO_ROOT, Inventory, TargetSpec, load_inventory, select_targets
+from fleet.inventory import (
+    REPO_ROOT,
+    Inventory,
+    MultiRunSpec,
+    TargetSpec,
+    load_inventory,
+    select_run,
+    select_targets,
+)
 from fleet.target import Target, open_target
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,6 +51,11 @@ def repo_root() -> Path:
 def inventory() -> Inventory:
     """The inventory: ``$FLEET_CONFIG``, else ``fleet.toml`` next to ``tasks.py``."""
     return load_inventory()
+
+
+def selected_run() -> MultiRunSpec | None:
+    """The run over several hosts that ``FLEET_TARGET`` names (``[runs.NAME]``), else None."""
+    return select_run(inventory())
 
 
 def targets_for(ctx: Context | None, read_only: bool) -> list[TargetSpec]:

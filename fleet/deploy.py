@@ -330,20 +330,21 @@ def tar_chunks(data: bytes, size: int = 256 * 1024) -> Iterator[bytes]:
         yield data[i : i + size]
 
 
-def deploy(target: Target, repo_root: Path) -> Release:
+def deploy(target: Target, repo_root: Path, now: dt.datetime | None = None) -> Release:
     """Build, upload and switch to a new release on ``target``; prune old ones. Returns the new one.
 
     The release id is proposed here and checked under the deploy lock on the target: when a
     deploy that prepared at the same time took it first (or a newer one), the target says so with
     the ids it has, and this deploy proposes the next free id and uploads again (never two
-    releases with one id; the ids stay in time order)."""
+    releases with one id; the ids stay in time order). ``now``: the time the id is made of (the
+    hosts of a run over several hosts get one id)."""
     spec = target.spec
     layout = spec.layout
     git = git_info(repo_root)
     state = prepare(target)
     known = list(state.releases)
     for _attempt in range(ID_ATTEMPTS):
-        now = dt.datetime.now(dt.UTC)
+        now = now or dt.datetime.now(dt.UTC)
         release_id = make_release_id(now, git.sha7, git.dirty, known)
         data, manifest = build_release_tar(repo_root, release_id, spec, git, now)
         # The live run's release, and the latest run's (a stopped or failed run that `fab train`

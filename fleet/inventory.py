@@ -13,7 +13,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -34,7 +34,7 @@ STALL_WINDOW_S = 600.0  # no new event or log output for this long: a live run i
 KNOWN_HOSTS = "~/.ssh/known_hosts"
 REPO_ROOT = Path(__file__).resolve().parent.parent  # this checkout: tasks.py, fleet.toml, training/
 
-TOP_KEYS = ("default_target", "targets")
+TOP_KEYS = ("default_target", "targets", "runs")
 TARGET_KEYS = (
     "host",
     "identity_file",
@@ -61,6 +61,8 @@ COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
 NOTIFY_KEYS = ("command", "url", "headers")
 HOST_KEY_POLICIES = ("strict", "accept-new")
+MULTI_RUN_KEYS = ("targets", "topology", "per_host", "rendezvous", "network", "run")
+NETWORK_KEYS = ("addr", "socket_ifname")
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,60 @@ class TargetSpec:
 
 
 @dataclass(frozen=True)
+class NodeSpec:
+    """One host of a run over several hosts: its target, how many ranks it runs, its network."""
+
+    target: str
+    nproc: int  # processes (one per GPU; on CPU, gloo processes) torchrun starts on this host
+    addr: str  # the address the other hosts reach this one at (torchrun --local-addr)
+    socket_ifname: str = ""  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for its ranks ("" = theirs)
+
+
+@dataclass(frozen=True)
+class MultiRunSpec:
+    """``[runs.NAME]``: one N+M job over several targets, one torchrun agent per target, joined by
+    torchrun's c10d rendezvous. Global ranks go host by host in ``nodes`` order, so host ``i`` runs
+    ranks ``first_rank(i) ..``; targets are ranks ``0..N-1``, drafters ``N..N+M-1``."""
+
+    name: str
+    topology: Topology
+    nodes: tuple[NodeSpec, ...]
+    rendezvous: str  # host:port of the c10d store, served by the first host's agent
+    run: RunSpec = field(default_factory=RunSpec)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(n.target for n in self.nodes)
+
+    def first_rank(self, index: int) -> int:
+        return sum(n.nproc for n in self.nodes[:index])
+
+    def node_of_rank(self, rank: int) -> int:
+        """The index in ``nodes`` of the host that runs global rank ``rank``."""
+        for i in range(len(self.nodes)):
+            if rank < self.first_rank(i + 1):
+                return i
+        raise ValueError(f"rank {rank} is outside the run's {self.topology.world_size} ranks")
+
+    def split(self, index: int) -> tuple[int, int]:
+        """(targets, drafters) that host ``index`` runs."""
+        start, end, n = self.first_rank(index), self.first_rank(index + 1), self.topology.targets
+        return min(end, n) - min(start, n), max(end, n) - max(start, n)
+
+    @property
+    def checkpoint_node(self) -> int:
+        """The host of drafter 0 (rank N): it writes the checkpoints, into its own run dir."""
+        return self.node_of_rank(self.topology.targets)
+
+
+@dataclass(frozen=True)
 class Inventory:
     """The whole validated inventory."""
 
     path: Path
     default_target: str
     targets: Mapping[str, TargetSpec]
+    runs: Mapping[str, MultiRunSpec] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def root(self) -> Path:
@@ -241,15 +291,44 @@ def parse_inventory(data: Mapping[str, Any], path: Path) -> Inventory:
             )
         _check_type(raw, dict, f"targets.{name}", "a table", path)
         targets[name] = _parse_target(name, raw, path)
+    runs_raw = data.get("runs", {})
+    _check_type(runs_raw, dict, "runs", "a table of [runs.<name>]", path)
+    runs: dict[str, MultiRunSpec] = {}
+    for name, raw in runs_raw.items():
+        if not NAME_RE.match(name) or name == "all" or name in targets:
+            raise ConfigError(
+                f"{path}: runs.{name!r}: a run name uses letters, digits, '_' and '-', is not 'all' and "
+                "no target's name (FLEET_TARGET selects either); rename it"
+            )
+        _check_type(raw, dict, f"runs.{name}", "a table", path)
+        runs[name] = _parse_multi_run(name, raw, targets, path)
     default = data.get("default_target")
     if default is None:
         default = next(iter(targets))
     _check_type(default, str, "default_target", "a target name string", path)
-    if default not in targets:
+    if default not in targets and default not in runs:
         raise ConfigError(
             f"{path}: default_target = {default!r} is not a target; use one of: {', '.join(targets)}"
         )
-    return Inventory(path=path, default_target=default, targets=MappingProxyType(targets))
+    return Inventory(
+        path=path, default_target=default, targets=MappingProxyType(targets), runs=MappingProxyType(runs)
+    )
+
+
+def selected_name(inv: Inventory, name: str | None = None) -> str:
+    """``name``, else ``$FLEET_TARGET``, else the default target (a target, a run, or ``all``)."""
+    return (name if name is not None else os.environ.get("FLEET_TARGET") or inv.default_target).strip()
+
+
+def select_run(inv: Inventory, name: str | None = None) -> MultiRunSpec | None:
+    """The run over several hosts that ``FLEET_TARGET`` (or ``name``) names, else None."""
+    return inv.runs.get(selected_name(inv, name))
+
+
+def member_spec(inv: Inventory, run: MultiRunSpec, index: int) -> TargetSpec:
+    """Host ``index`` of ``run`` as a target whose run is the multi-host run's."""
+    spec = inv.targets[run.nodes[index].target]
+    return replace(spec, run=run.run, topology=None)
 
 
 def select_targets(inv: Inventory, name: str | None = None, *, allow_all: bool) -> list[TargetSpec]:
@@ -257,9 +336,16 @@ def select_targets(inv: Inventory, name: str | None = None, *, allow_all: bool) 
 
     ``all`` selects every target, allowed only for read-only tasks (``allow_all``).
     """
-    if name is None:
-        name = os.environ.get("FLEET_TARGET") or inv.default_target
-    name = name.strip()
+    name = selected_name(inv, name)
+    if name in inv.runs:
+        if not allow_all:
+            raise ConfigError(
+                f"FLEET_TARGET={name} is a run over several hosts ({', '.join(inv.runs[name].targets)}): "
+                "this task acts on one target; pick one of them (deploy, train, stop, status and logs "
+                "take the run)"
+            )
+        run = inv.runs[name]
+        return [member_spec(inv, run, i) for i in range(len(run.nodes))]
     if name == "all":
         if not allow_all:
             raise ConfigError(
@@ -485,6 +571,160 @@ def _parse_topology(key: str, raw: Any, gpus: int, path: Path) -> Topology | Non
             f"{path}: {tkey} = {raw!r} sums to {topo.world_size} but {key}.gpus = {gpus}; make them agree"
         )
     return topo
+
+
+def _parse_multi_run(
+    name: str, raw: Mapping[str, Any], targets: Mapping[str, TargetSpec], path: Path
+) -> MultiRunSpec:
+    """``[runs.NAME]``, validated as a whole against its targets."""
+    key = f"runs.{name}"
+    _check_keys(raw, MULTI_RUN_KEYS, key, path)
+    members = raw.get("targets")
+    if (
+        not isinstance(members, list)
+        or len(members) < 2
+        or not all(isinstance(t, str) for t in members)
+        or len(set(members)) != len(members)
+    ):
+        raise ConfigError(
+            f'{path}: {key}.targets must list two or more distinct targets; e.g. ["pve1", "pve2"]'
+        )
+    for t in members:
+        if t not in targets:
+            raise ConfigError(
+                f"{path}: {key}.targets: {t!r} is not a target; use one of: {', '.join(targets)}"
+            )
+    specs = [targets[t] for t in members]
+    envs = {s.env for s in specs}
+    if len(envs) > 1:
+        listed = ", ".join(f"{s.name} env = {s.env!r}" for s in specs)
+        raise ConfigError(
+            f"{path}: {key}: its targets use different envs ({listed}); one run needs the same env lock "
+            "on every host: give them the same env"
+        )
+    kinds = {s.gpus > 0 for s in specs}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"{path}: {key}: some targets have GPUs and some not "
+            f"({', '.join(f'{s.name} gpus = {s.gpus}' for s in specs)}); "
+            "one run runs on GPUs everywhere (NCCL) or on CPU everywhere (gloo)"
+        )
+    text = raw.get("topology")
+    _check_type(text, str, f"{key}.topology", 'a string "N+M" (target ranks + drafter ranks)', path)
+    try:
+        topo = parse_topology(text)
+    except ValueError:
+        raise ConfigError(
+            f'{path}: {key}.topology = {text!r} is not "N+M" with N, M >= 1; e.g. "10+6"'
+        ) from None
+    nprocs = _node_nprocs(key, raw.get("per_host"), topo, specs, path)
+    rendezvous = raw.get("rendezvous")
+    _check_type(rendezvous, str, f"{key}.rendezvous", '"host:port" reachable from every target', path)
+    m = re.match(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):(\d+)$", rendezvous)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(
+            f'{path}: {key}.rendezvous = {rendezvous!r} is not "host:port"; e.g. "10.0.0.1:29400" '
+            "(the first target's address: its torchrun agent serves the rendezvous)"
+        )
+    network = raw.get("network", {})
+    _check_type(
+        network, dict, f"{key}.network", 'a table per target; e.g. { pve1 = { addr = "10.0.0.1" } }', path
+    )
+    for t in network:
+        if t not in members:
+            raise ConfigError(
+                f"{path}: {key}.network.{t}: not one of the run's targets ({', '.join(members)})"
+            )
+    nodes = []
+    for t, nproc in zip(members, nprocs, strict=True):
+        nkey = f"{key}.network.{t}"
+        hints = network.get(t, {})
+        _check_type(hints, dict, nkey, 'a table; e.g. { addr = "10.0.0.2", socket_ifname = "eth0" }', path)
+        _check_keys(hints, NETWORK_KEYS, nkey, path)
+        addr = hints.get("addr")
+        if not isinstance(addr, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9.:-]*$", addr):
+            raise ConfigError(
+                f"{path}: {nkey}.addr is missing or not an address; write the address the other hosts "
+                f'reach {t} at, e.g. addr = "10.0.0.2" (torchrun --local-addr)'
+            )
+        ifname = _str(hints, "socket_ifname", nkey, path, default="")
+        if ifname and not re.match(r"^[A-Za-z0-9_.^,=-]+$", ifname):
+            raise ConfigError(f'{path}: {nkey}.socket_ifname = {ifname!r}: an interface name, e.g. "eth0"')
+        nodes.append(NodeSpec(target=t, nproc=nproc, addr=addr, socket_ifname=ifname))
+    addrs = [n.addr for n in nodes]
+    if len(set(addrs)) != len(addrs) or addrs != sorted(addrs):
+        raise ConfigError(
+            f"{path}: {key}: torchrun's c10d rendezvous numbers the hosts by their address, sorted as text "
+            f"({', '.join(f'{n.target} {n.addr}' for n in nodes)}): list {key}.targets in that order, "
+            "each with its own addr"
+        )
+    run = _parse_run(key, raw.get("run"), path)
+    if run.module != "training":
+        raise ConfigError(
+            f"{path}: {key}.run.module = {run.module!r}: a run over several hosts needs the bundled "
+            'trainer ("training")'
+        )
+    return MultiRunSpec(name=name, topology=topo, nodes=tuple(nodes), rendezvous=rendezvous, run=run)
+
+
+def _node_nprocs(key: str, raw: Any, topo: Topology, specs: list[TargetSpec], path: Path) -> list[int]:
+    """Ranks per host: ``per_host`` (checked against the host-by-host placement), else each
+    target's ``gpus``, else (CPU) the ranks split evenly."""
+    world = topo.world_size
+    if raw is None:
+        if specs[0].gpus > 0:
+            nprocs = [s.gpus for s in specs]
+            if sum(nprocs) != world:
+                raise ConfigError(
+                    f'{path}: {key}.topology = "{topo}" needs {world} GPUs but its targets have '
+                    f"{' + '.join(str(n) for n in nprocs)} = {sum(nprocs)}; make them agree, or give per_host"
+                )
+            return nprocs
+        if world % len(specs):
+            raise ConfigError(
+                f'{path}: {key}.topology = "{topo}": {world} CPU ranks do not split evenly over '
+                f'{len(specs)} targets; give per_host = {{ target = "N+M", ... }}'
+            )
+        return [world // len(specs)] * len(specs)
+    _check_type(raw, dict, f"{key}.per_host", 'a table; e.g. { pve1 = "8+0", pve2 = "2+6" }', path)
+    names = [s.name for s in specs]
+    if sorted(raw) != sorted(names):
+        raise ConfigError(
+            f"{path}: {key}.per_host must give every target of the run once: {', '.join(names)}"
+        )
+    splits = []
+    for s in specs:
+        value = raw[s.name]
+        try:
+            t, d = (int(x) for x in str(value).split("+"))
+            if t < 0 or d < 0 or t + d < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f'{path}: {key}.per_host.{s.name} = {value!r} is not "N+M"; e.g. "2+6"'
+            ) from None
+        if s.gpus and t + d > s.gpus:
+            raise ConfigError(
+                f"{path}: {key}.per_host.{s.name} = {value!r} needs {t + d} GPUs but {s.name} has "
+                f"gpus = {s.gpus}"
+            )
+        splits.append((t, d))
+    if (sum(t for t, _ in splits), sum(d for _, d in splits)) != (topo.targets, topo.drafters):
+        raise ConfigError(f'{path}: {key}.per_host does not add up to topology = "{topo}"; make them agree')
+    # torchrun numbers ranks host by host and the trainer's targets are ranks 0..N-1: every host's
+    # targets must come before any drafter.
+    placed = MultiRunSpec(
+        "", topo, tuple(NodeSpec(s.name, t + d, "") for s, (t, d) in zip(specs, splits, strict=True)), ""
+    )
+    for i, (s, want) in enumerate(zip(specs, splits, strict=True)):
+        got = placed.split(i)
+        if got != want:
+            raise ConfigError(
+                f'{path}: {key}.per_host.{s.name} = "{want[0]}+{want[1]}", but ranks are placed host by host '
+                f'with the targets first, so {s.name} runs "{got[0]}+{got[1]}": order the targets so that '
+                "hosts with target ranks come first"
+            )
+    return [t + d for t, d in splits]
 
 
 def _parse_commands(key: str, raw: Any, path: Path) -> Commands:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from fleet import remote
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
-from fleet.inventory import ENV_KEY_RE, TargetSpec
+from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
 from fleet.target import CommandResult, Target, scrub
@@ -156,6 +156,60 @@ def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
         return [python, *train]
     launcher = ["-m", "training.topology", f"--nproc-per-node={spec.topology.world_size}"]
     return [python, *launcher, *train, "--topology", str(spec.topology)]
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """Host ``index`` of a run over several hosts: one torchrun agent with ``--nnodes``,
+    ``--node-rank`` and the c10d rendezvous, started by :func:`fleet.multihost.train`."""
+
+    run: MultiRunSpec
+    index: int
+
+    def argv(self, spec: TargetSpec, run_dir: str, run_id: str) -> list[str]:
+        """``<python> -m training.topology --nnodes=H --node-rank=I ... -m training train ...``.
+
+        The first host's agent serves the rendezvous (``is_host``); each host advertises its
+        ``addr`` (``--local-addr``), by which c10d numbers the hosts (the inventory checks that
+        order). The rendezvous id is the run id: agents of another run never join it."""
+        run, node = self.run, self.run.nodes[self.index]
+        train = ["-m", run.run.module, "train", "--config", run.run.config, "--run-dir", run_dir]
+        launcher = [
+            "-m",
+            "training.topology",
+            f"--nnodes={len(run.nodes)}",
+            f"--node-rank={self.index}",
+            f"--nproc-per-node={node.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={run.rendezvous}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf=is_host={'true' if self.index == 0 else 'false'}",
+            f"--local-addr={node.addr}",
+        ]
+        return [spec.run_python, *launcher, *train, *run.run.overrides, "--topology", str(run.topology)]
+
+    def env(self, spec: TargetSpec) -> dict[str, str]:
+        """What this host's ranks need besides the run's environment: the target's name (errors
+        name a lost peer by it) and the network interface hints."""
+        node = self.run.nodes[self.index]
+        env = {"FLEET_NODE_NAME": spec.name}
+        if node.socket_ifname:
+            env["NCCL_SOCKET_IFNAME"] = node.socket_ifname
+            env["GLOO_SOCKET_IFNAME"] = node.socket_ifname
+        return env
+
+    def record(self) -> dict[str, Any]:
+        """``run.json``'s ``multi_host``: the run, the hosts in rank order, this host's place."""
+        run = self.run
+        return {
+            "run": run.name,
+            "targets": list(run.targets),
+            "node_rank": self.index,
+            "topology": str(run.topology),
+            "first_rank": run.first_rank(self.index),
+            "nproc": run.nodes[self.index].nproc,
+            "checkpoint_host": run.targets[run.checkpoint_node],
+        }
 
 
 COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
@@ -489,13 +543,19 @@ def started_line(name: str, info: RunInfo) -> str:
 
 
 def _launch(
-    target: Target, release: str, run_id: str, now: dt.datetime, resume: Resume | None = None
+    target: Target,
+    release: str,
+    run_id: str,
+    now: dt.datetime,
+    resume: Resume | None = None,
+    node: NodeLaunch | None = None,
 ) -> RunInfo | None:
-    """One launch command; None when ``run_id`` exists already (a new run) or is missing (a resume)."""
+    """One launch command; None when ``run_id`` exists already (a new run) or is missing (a resume).
+    ``node``: this target is one host of a run over several hosts (its torchrun agent)."""
     spec = target.spec
     layout = spec.layout
     run_dir = layout.run_dir(run_id)
-    argv = training_argv(spec, run_dir)
+    argv = training_argv(spec, run_dir) if node is None else node.argv(spec, run_dir, run_id)
     info = RunInfo(
         run_id=run_id,
         release_id=release,
@@ -521,10 +581,12 @@ def _launch(
         "resumed_from": info.resumed_from,
         "checkpoint": info.checkpoint,
     }
+    if node is not None:
+        record["multi_host"] = node.record()
     mode = "resume" if resume else "new"
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
     try:
-        env = {**run_env(spec), **wrapper_env(spec)}
+        env = {**run_env(spec), **wrapper_env(spec), **(node.env(spec) if node is not None else {})}
         target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:

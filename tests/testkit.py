@@ -53,6 +53,8 @@ class TestHost:
     ct_rootfs: str
     stopped_ct_id: int
     stopped_ct_name: str
+    peer_ct_id: int = 0  # a second running container: the other host of a multi-host run
+    peer_ct_name: str = ""
 
     @property
     def host(self) -> str:
@@ -110,6 +112,8 @@ def _host_problem() -> str | TestHost:
             ct_rootfs=facts["FLEET_TEST_CT_ROOTFS"],
             stopped_ct_id=int(facts["FLEET_TEST_STOPPED_CT_ID"]),
             stopped_ct_name=facts["FLEET_TEST_STOPPED_CT_NAME"],
+            peer_ct_id=int(facts.get("FLEET_TEST_PEER_CT_ID", "0")),
+            peer_ct_name=facts.get("FLEET_TEST_PEER_CT_NAME", ""),
         )
     except (KeyError, ValueError) as err:
         return f"{SETUP_HINT} ({HOSTS_ENV} is incomplete: {err})"

@@ -48,6 +48,9 @@ from training.config import ConfigError, RunConfig
 from training.contract import Topology
 
 STARTUP_TIMEOUT_S = 1800.0
+# The name a launcher gives this host (fleet: the inventory's target name): errors name a lost
+# peer by it, which is what the user knows the host as; else the hostname.
+NODE_NAME_ENV = "FLEET_NODE_NAME"
 
 
 def parse_topology(text: str) -> Topology:
@@ -180,9 +183,27 @@ def rank_config(config: RunConfig, device: torch.device) -> RunConfig:
     return replace(config, model=replace(config.model, device=str(device)))
 
 
+def die_with_agent() -> None:
+    """Under torchrun, end this rank when its agent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    torchrun starts each rank in a session of its own, so a killed agent (``kill -9``, a host's
+    run stopped by force) would leave its ranks running as orphans, holding their GPUs and keeping
+    the other hosts' ranks waiting; with this they die with it, and the other hosts' ranks see the
+    peer gone at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the agent died before the call above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) -> DistContext:
     """Join the job (torchrun env), create the groups, gather every rank's identity."""
     rank, world_size, local_rank = torchrun_env()
+    die_with_agent()
     if world_size != topology.world_size:
         raise ConfigError(
             f"--topology {topology} needs {topology.world_size} processes but torchrun started "
@@ -220,7 +241,8 @@ def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) ->
                 peer = d if rank == t else t
                 pair_ctl[peer], pair_data[peer] = ctl, data
     where = f"{device} = GPU {pinned}" if pinned is not None else str(device)
-    me = RankInfo(rank, role, index, socket.gethostname(), os.getpid(), where)
+    host = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+    me = RankInfo(rank, role, index, host, os.getpid(), where)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, me, group=control)
     return DistContext(

@@ -16,10 +16,13 @@ global batches.
            against ``python -m training train`` (tests/training/test_topology.py).
 
 Anchors come from ``anchor_generator(seed, position)`` on the target, as in the single
-trainer. Drafter rank N (drafter 0) writes checkpoints; a resumed run restarts the data at
-global batch ``step * M`` (the single trainer's position is not kept across topologies).
-Acceptance eval needs the target next to the drafter: run ``python -m training eval
---run-dir DIR`` after training. Multi-host resume needs the run dir on a shared file system.
+trainer. Drafter rank N (drafter 0) writes checkpoints, into the run dir of its own host; a
+resumed run restarts the data at global batch ``step * M`` (the single trainer's position is not
+kept across topologies), the step being drafter 0's, broadcast to every rank: over several hosts
+without a shared file system only drafter 0's host has the checkpoints, and that is enough.
+Every host's first rank writes ``config.json`` into its own run dir. Acceptance eval needs the
+target next to the drafter: run ``python -m training eval --run-dir DIR`` after training (on
+drafter 0's host).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
 from training.model.target import load_tokenizer, model_source, num_layers, target_forward
 from training.run import core
-from training.run.checkpoint import CheckpointWriter, check_resumable, list_checkpoints
+from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.pipeline import (
     CREDIT,
     KIND_END,
@@ -82,11 +85,6 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _resume_step(run_dir: Path) -> int:
-    found = list_checkpoints(run_dir)
-    return found[-1][0] if found else 0
-
-
 class Worker:
     def __init__(self, ctx: DistContext, config: RunConfig, run_dir: Path, events: EventWriter) -> None:
         self.ctx, self.config, self.run_dir, self.events = ctx, config, run_dir, events
@@ -94,6 +92,7 @@ class Worker:
         self.balance = Balance(events, config.pipeline.balance_window_s)
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.timeout_s = config.pipeline.timeout_s
+        self.start_step = 0  # the step the run continues from: drafter 0's (``agree_start``)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
 
@@ -196,7 +195,7 @@ class TargetWorker(Worker):
         topo = ctx.topology
         drafters = topo.drafter_ranks
         fixed = cfg.pipeline.order == "fixed"
-        first = _resume_step(self.run_dir) * topo.drafters
+        first = self.start_step * topo.drafters
         total = cfg.train.steps * topo.drafters  # global batches the drafters will consume
         credits = dict.fromkeys(drafters, cfg.pipeline.credits)
         outboxes: dict[int, queue.Queue[WorkItem | None]] = {d: queue.Queue() for d in drafters}
@@ -491,6 +490,15 @@ class DrafterWorker(Worker):
         )
 
 
+def agree_start(ctx: DistContext, worker: Worker) -> int:
+    """Drafter 0's resumed step, on every rank: the targets start the data there (their host may
+    have no checkpoint: drafter 0's host holds them)."""
+    mine = worker.step if isinstance(worker, DrafterWorker) and ctx.index == 0 else 0
+    step = torch.tensor([mine], dtype=torch.long)
+    dist.broadcast(step, src=ctx.topology.targets, group=ctx.control)
+    return int(step.item())
+
+
 def _check_pipeline(config: RunConfig) -> None:
     p = config.pipeline
     if p.credits < 1:
@@ -515,7 +523,7 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
     config = rank_config(config, ctx.device)
     core.set_threads(config)
     events = EventWriter(run_dir, rank=ctx.rank, role=ctx.role)
-    if ctx.rank == 0:
+    if ctx.local_rank == 0:  # each host's run dir (hosts need not share a file system)
         write_config(config, run_dir)
     core.emit_run_start(
         events,
@@ -533,6 +541,7 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
     try:
         worker.setup()
         worker.barrier()  # both roles loaded: from here on the pipeline timeout applies
+        worker.start_step = agree_start(ctx, worker)
         worker.run()
     except BaseException as exc:  # every failure: one error event naming this rank (and the peer)
         code = exc.exit_code if isinstance(exc, TrainingError) else 1
