@@ -4,6 +4,8 @@ fleet/ (see docs/DESIGN.md)."""
 
 from __future__ import annotations
 
+import json as json_lib
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -264,12 +266,24 @@ def doctor(c: Context, json: bool = False, bandwidth: bool = False, tokens_per_s
     )
 
 
-@fleet_task(help={"gpus": "GPUs to split (default: the target's gpus, else 2)", "json": "print JSON"})
-def plan(c: Context, gpus: int = 0, json: bool = False) -> None:
+@fleet_task(
+    help={
+        "gpus": "GPUs to split (default: the target's gpus, else 2)",
+        "json": "print JSON",
+        "tokens_per_s": "a run over several hosts: tokens/s to size its network traffic for (default 20000)",
+    }
+)
+def plan(c: Context, gpus: int = 0, json: bool = False, tokens_per_s: float = 0.0) -> None:
     """Probe target and drafter rates; predict each N+M split."""
+    from fleet import doctor, multihost, runs
     from fleet import gpus as fleet_gpus
-    from fleet import runs
 
+    if run := selected_run():  # what crosses the network between its hosts, from the run config
+        spec = inventory().targets[run.nodes[0].target]
+        needs = doctor.run_needs(spec, doctor.read_run_config(repo_root(), replace(spec, run=run.run)))
+        found = multihost.network_plan(run, needs, tokens_per_s or doctor.DEFAULT_TOKENS_PER_S)
+        print(json_lib.dumps(found, sort_keys=True) if json else multihost.plan_text(found))
+        return
     with single_target(c) as target:
         if target.spec.gpus > 0:
             fleet_gpus.gate(target)  # the probe needs the GPUs to itself

@@ -24,13 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleet import runs
 from fleet.errors import ConfigError, FleetError, RunError
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
 from fleet.status.model import RunStatus
 from fleet.target import Target, open_target
+
+if TYPE_CHECKING:
+    from fleet.doctor import RunNeeds
 
 T = TypeVar("T")
 
@@ -279,3 +282,82 @@ def verdict_line(summary: dict[str, Any]) -> str:
     run_id = f" (run {summary['run_id']})" if summary["run_id"] else ""
     cause = f": {summary['cause']}" if summary["cause"] else ""
     return f"{summary['run']}{run_id}: {summary['state']}{cause}"
+
+
+# --- what crosses the network (`fab plan`) --------------------------------------------------------
+
+
+def network_plan(run: MultiRunSpec, needs: RunNeeds, tokens_per_s: float) -> dict[str, Any]:
+    """What crosses between hosts and the bandwidth it needs (pure).
+
+    Hidden states go from every target rank to the drafter ranks (``pipeline.order = free``: to
+    whichever has credits, so evenly on average): a target's share that leaves its host is the
+    share of drafters on other hosts. ``hidden_bytes_per_token`` (target layers x hidden x dtype)
+    times the tokens/s the targets produce gives the rate; each host pair's link carries its part.
+    The drafters' DDP all-reduce crosses hosts too when the drafters span several.
+    """
+    topo = run.topology
+    splits = [run.split(i) for i in range(len(run.nodes))]
+    per_token = needs.hidden_bytes_per_token
+    links = []
+    for i, (ti, _) in enumerate(splits):
+        for j, (_, dj) in enumerate(splits):
+            if i == j or not ti or not dj:
+                continue
+            share = (ti / topo.targets) * (dj / topo.drafters)  # of all hidden-state traffic
+            links.append(
+                {
+                    "from": run.nodes[i].target,
+                    "to": run.nodes[j].target,
+                    "share": share,
+                    "bytes_per_s": share * tokens_per_s * per_token,
+                }
+            )
+    drafter_hosts = [run.nodes[i].target for i, (_, d) in enumerate(splits) if d]
+    return {
+        "run": run.name,
+        "topology": str(topo),
+        "hosts": [
+            {"target": n.target, "targets": t, "drafters": d, "addr": n.addr}
+            for n, (t, d) in zip(run.nodes, splits, strict=True)
+        ],
+        "tokens_per_s": tokens_per_s,
+        "hidden_bytes_per_token": per_token,
+        "hidden_states_cross_share": sum(link["share"] for link in links),
+        "links": links,
+        "ddp_across_hosts": len(drafter_hosts) > 1,
+        "ddp_bytes_per_step": 2 * needs.drafter_params * 4 if len(drafter_hosts) > 1 else 0,
+        "known": needs.known,
+    }
+
+
+def plan_text(plan: dict[str, Any]) -> str:
+    """``fab plan`` for a run over several hosts: where the ranks are and what crosses the network."""
+    hosts = "; ".join(
+        f"{h['target']}: {h['targets']} target + {h['drafters']} drafter" for h in plan["hosts"]
+    )
+    lines = [f"{plan['run']}: topology {plan['topology']} over {len(plan['hosts'])} hosts ({hosts})"]
+    if not plan["known"]:
+        lines.append("the run config was not found here: sizes unknown")
+        return "\n".join(lines)
+    per_token = plan["hidden_bytes_per_token"]
+    rate = plan["tokens_per_s"]
+    if not plan["links"]:
+        lines.append("hidden states stay on their hosts: every target's drafters are on its own host")
+    else:
+        lines.append(
+            f"hidden states crossing hosts: {plan['hidden_states_cross_share']:.0%} of them, "
+            f"{per_token:,} B per token, at {rate:,.0f} tokens/s (--tokens-per-s):"
+        )
+        for link in plan["links"]:
+            mb = link["bytes_per_s"] / 1e6
+            lines.append(
+                f"  {link['from']} -> {link['to']}: {link['share']:.0%} of the batches, {mb:,.1f} MB/s "
+                f"({mb * 8 / 1000:,.2f} Gbit/s)"
+            )
+    if plan["ddp_across_hosts"]:
+        lines.append(
+            f"the drafters span hosts: DDP all-reduces {plan['ddp_bytes_per_step'] / 1e6:,.1f} MB of "
+            "gradients per step between them (2 x parameters x 4 B, ring)"
+        )
+    return "\n".join(lines)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
-# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile and the
-# hybrid steps). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile, multinode
+# and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to compare). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
 # steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -154,6 +154,61 @@ hybrid_plan() {  # fab plan --gpus 8: its own probe (target + drafter on one GPU
     hybrid_inventory
     [ -e "$HYBRID_WORKDIR/current" ] || python3 -m fabric deploy || return 1
     timeout -k 20 "${HYBRID_PLAN_LIMIT_S:-540}" python3 -m fabric plan --gpus 8 | tee "$OUT/hybrid_plan_probe.txt"
+}
+multinode() {  # 1+1 as a 2-node job on one machine: two torchrun agents (one GPU each, c10d on loopback)
+    # The argv is fleet's own for a run over two hosts (fleet.runs.NodeLaunch): nodes 127.0.0.1 and
+    # 127.0.0.2, CUDA_VISIBLE_DEVICES one GPU each. NCCL's P2P and shared-memory transports are off
+    # (MULTINODE_NET=socket, the default), so hidden states go over NCCL's network transport as between
+    # two hosts; MULTINODE_NET=local keeps them. Compare its tokens/s with topology()'s single-node 1+1.
+    [ -d /tmp/cb/cold ] && export FLEET_COMPILE_CACHE=/tmp/cb/cold FLEET_TRAINING_CACHE=/tmp/cb/training-cache
+    local dir="$OUT/multinode" port="${MULTINODE_PORT:-29611}" i
+    local cfg=(--train.steps="${MULTINODE_STEPS:-40}" --train.log_every=1 --data.num_buckets=1
+        --data.corpus_files=300 --pipeline.balance_window_s=5)
+    rm -rf "$dir"; mkdir -p "$dir"
+    cat > "$dir/fleet.toml" <<TOML
+[targets.n0]
+host = "local"
+workdir = "$dir/n0"
+gpus = 1
+[targets.n1]
+host = "local"
+workdir = "$dir/n1"
+gpus = 1
+[runs.two]
+targets = ["n0", "n1"]
+topology = "1+1"
+rendezvous = "127.0.0.1:$port"
+network = { n0 = { addr = "127.0.0.1", socket_ifname = "lo" }, n1 = { addr = "127.0.0.2", socket_ifname = "lo" } }
+run = { config = "qwen3-8b-h200" }
+TOML
+    local net=(); [ "${MULTINODE_NET:-socket}" = socket ] && net=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+    for i in 0 1; do
+        mkdir -p "$dir/n$i/run"
+        # fleet's argv and environment for host i (python3 of this machine, the config's overrides appended)
+        mapfile -t argv < <(python3 - "$dir/fleet.toml" "$i" "$dir/n$i/run" <<'PY'
+import sys
+from pathlib import Path
+from fleet.inventory import load_inventory, member_spec
+from fleet.runs import NodeLaunch
+inv = load_inventory(Path(sys.argv[1])); run = inv.runs["two"]; i = int(sys.argv[2])
+spec = member_spec(inv, run, i)
+argv = NodeLaunch(run, i).argv(spec, sys.argv[3], "fleet-multinode")
+print("\n".join(["python3", *argv[1:-2]]))
+PY
+        )
+        env CUDA_VISIBLE_DEVICES="$i" FLEET_NODE_NAME="n$i" NCCL_SOCKET_IFNAME=lo GLOO_SOCKET_IFNAME=lo "${net[@]}" \
+            timeout -k 20 "${MULTINODE_LIMIT_S:-520}" "${argv[@]}" "${cfg[@]}" --topology 1+1 > "$dir/n$i.log" 2>&1 &
+    done
+    wait
+    tail -5 "$dir/n0.log" "$dir/n1.log"
+    # one events file of both hosts (the target's balance events are on n0, the drafter's steps on n1)
+    mkdir -p "$dir/merged"
+    python3 -c "import json,sys; ev=[json.loads(l) for f in sys.argv[1:] for l in open(f) if l.strip()]; \
+ev.sort(key=lambda e: e.get('ts', 0)); print('\n'.join(json.dumps(e) for e in ev))" \
+        "$dir/n0/run/events.jsonl" "$dir/n1/run/events.jsonl" > "$dir/merged/events.jsonl"
+    python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --summarize "$dir/merged" \
+        --warmup-steps 5 --data.num_buckets=1 --data.corpus_files=300 | tail -1 | tee "$OUT/multinode.json"
+    rm -rf "$dir"/n*/run/checkpoints "$dir"/n*/run/data-cache
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

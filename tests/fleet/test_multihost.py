@@ -202,3 +202,22 @@ def test_one_verdict_names_the_lost_host() -> None:
     assert summary["cause"].startswith("host pve2 lost") and summary["run_id"] == "R"
     both = verdict(run, [("pve1", _status("pve1", "training")), ("pve2", _status("pve2", "stopped"))])
     assert (both["state"], both["exit_code"], both["lost_hosts"]) == ("stopped", 10, [])
+
+
+def test_plan_says_what_crosses_the_network_and_its_bandwidth() -> None:
+    from fleet.doctor import RunNeeds
+    from fleet.multihost import network_plan, plan_text
+
+    run = parse(HOSTS + WIDE).runs["wide"]  # pve1: targets 0-7; pve2: targets 8-9 + 6 drafters
+    needs = RunNeeds("c", known=True, hidden_size=5120, target_layers=5, dtype_bytes=2, drafter_params=10**9)
+    plan = network_plan(run, needs, 20_000)
+    # every drafter is on pve2: pve1's 8 of 10 targets send all their hidden states across
+    assert [(link["from"], link["to"]) for link in plan["links"]] == [("pve1", "pve2")]
+    assert plan["links"][0]["share"] == pytest.approx(0.8)
+    per_token = 5 * 5120 * 2
+    assert plan["links"][0]["bytes_per_s"] == pytest.approx(0.8 * 20_000 * per_token)
+    assert not plan["ddp_across_hosts"]
+    text = plan_text(plan)
+    assert "pve1 -> pve2: 80% of the batches, 819.2 MB/s (6.55 Gbit/s)" in text, text
+    split = parse(HOSTS + WIDE.replace('"10+6"', '"10+6"\nper_host = { pve1 = "8+0", pve2 = "2+6" }'))
+    assert network_plan(split.runs["wide"], needs, 20_000)["links"] == plan["links"]

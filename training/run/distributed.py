@@ -519,6 +519,10 @@ def train_distributed(config_name: str, run_dir: Path, overrides: list[str], top
     _check_pipeline(config)
     run_dir = run_dir.resolve()
     check_resumable(config, run_dir)  # every rank, before the rendezvous (rank 0 writes config.json after it)
+    if os.environ.get("LOCAL_RANK") == "0":
+        # transformers saves a model only on global rank 0 once torch.distributed is up, so each
+        # host's first rank builds what its host lacks (the tiny model's folder) before joining.
+        model_source(config)
     ctx = init_distributed(topology, config, config.pipeline.timeout_s)
     config = rank_config(config, ctx.device)
     core.set_threads(config)
