@@ -68,6 +68,12 @@ class Wide:
         self.workdirs = {"ct200": f"{self.workdir}-a", "ct202": f"{self.workdir}-b"}
         self.ids = {"ct200": hosts.ct_id, "ct202": hosts.peer_ct_id}
         self.tmux = f"/tmp/{label}-tmux"
+        self.port = free_port()
+        self.write()
+
+    def write(self, restart: str = "") -> None:
+        """The inventory; ``restart``: the run's restart policy, e.g. ``{ max = 3, backoff_s = 5 }``."""
+        hosts = self.hosts
         lines = ['default_target = "ct200"', ""]
         for name, cid in self.ids.items():
             lines += [
@@ -86,12 +92,14 @@ class Wide:
             "[runs.wide]",
             'targets = ["ct200", "ct202"]',
             'topology = "1+1"',
-            f'rendezvous = "127.0.0.1:{free_port()}"',
+            f'rendezvous = "127.0.0.1:{self.port}"',
             'network = { ct200 = { addr = "127.0.0.1", socket_ifname = "lo" }, '
             'ct202 = { addr = "127.0.0.2", socket_ifname = "lo" } }',
-            f'run = {{ config = "tiny-cpu", overrides = {json.dumps(OVERRIDES)} }}',
+            f'run = {{ config = "tiny-cpu", overrides = {json.dumps(OVERRIDES)}'
+            + (f", restart = {restart}" if restart else "")
+            + " }",
         ]
-        config.write_text("\n".join(lines) + "\n")
+        self.config.write_text("\n".join(lines) + "\n")
 
     def fab(self, *args: str, target: str = "wide", timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return testkit.run_fab(args, self.config, timeout=timeout, env={"FLEET_TARGET": target})
@@ -107,6 +115,16 @@ class Wide:
     def last_step(self, run_id: str) -> int:
         steps = [e["step"] for e in self.events("ct202", run_id) if e["event"] == "step"]
         return steps[-1] if steps else 0
+
+    def kill_agent(self, name: str) -> None:
+        """SIGKILL the torchrun agent of host ``name`` (not its wrapper, run.sh)."""
+        agents = [
+            line.split()[0]
+            for line in ct(self.hosts, self.ids[name], "ps", "-eo", "pid=,args=").stdout.splitlines()
+            if line.split()[2:4] == ["-m", "training.topology"] and self.workdirs[name] in line
+        ]
+        assert len(agents) == 1, agents
+        ct(self.hosts, self.ids[name], "kill", "-9", agents[0], check=True)
 
     def status(self) -> dict[str, Any]:
         result = self.fab("status", "--json")
@@ -192,14 +210,8 @@ def test_a_run_over_two_containers_trains_resumes_and_names_a_lost_host(wide: Wi
     assert batches and batches[-1] == k, batches
 
     # 3. 202's agent killed: the job fails within the pipeline timeout, and the verdict names ct202.
-    agents = [
-        line.split()[0]
-        for line in ct(hosts, hosts.peer_ct_id, "ps", "-eo", "pid=,args=").stdout.splitlines()
-        if line.split()[2:4] == ["-m", "training.topology"] and wide.workdirs["ct202"] in line
-    ]
-    assert len(agents) == 1, agents
     killed_at = time.monotonic()
-    ct(hosts, hosts.peer_ct_id, "kill", "-9", agents[0], check=True)
+    wide.kill_agent("ct202")
     holder: dict[str, Any] = {}
 
     def ended() -> bool:
@@ -216,3 +228,24 @@ def test_a_run_over_two_containers_trains_resumes_and_names_a_lost_host(wide: Wi
     print(f"job failed {took:.1f}s after 202's agent was killed (pipeline.timeout_s = {TIMEOUT_S})")
     text = wide.fab("status")
     assert text.returncode == 12 and "failed: host ct202 lost" in text.stdout, text.stdout
+
+    # 4. With a restart policy, each host's wrapper restarts its own agent after a failure; the
+    # agents meet again at the rendezvous and continue from drafter 0's newest checkpoint.
+    wide.write(restart="{ max = 3, backoff_s = 5 }")
+    again = ok(wide.fab("train", "--no-warm"))
+    assert f"run {run_id} resumed at step" in again.stdout, again.stdout
+    before = wide.last_step(run_id)
+    testkit.wait_for("steps after the resume", lambda: wide.last_step(run_id) >= before + 3, timeout=300)
+    wide.kill_agent("ct202")
+    lost_at = wide.last_step(run_id)
+
+    def restarted() -> bool:
+        holder["st"] = wide.status()
+        return all(h["attempt"] >= 2 for h in holder["st"]["hosts"]) and wide.last_step(run_id) >= lost_at + 3
+
+    testkit.wait_for("both agents restarted and training again", restarted, timeout=300, interval=1.0)
+    assert {h["last_cause"] for h in holder["st"]["hosts"]} <= {"exit 1", "exit 137"}, holder["st"]
+    resumes = [e["step"] for e in wide.events("ct202", run_id) if e["event"] == "resume"]
+    assert len(resumes) >= 3 and resumes[-1] <= lost_at, resumes
+    ok(wide.fab("stop"))
+    assert wide.status()["state"] == "stopped"
