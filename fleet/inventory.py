@@ -194,13 +194,15 @@ class NodeSpec:
     nproc: int  # processes (one per GPU; on CPU, gloo processes) torchrun starts on this host
     addr: str  # the address the other hosts reach this one at (torchrun --local-addr)
     socket_ifname: str = ""  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for its ranks ("" = theirs)
+    split: tuple[int, int] = (0, 0)  # (target ranks, drafter ranks) of this host, nproc in all
 
 
 @dataclass(frozen=True)
 class MultiRunSpec:
     """``[runs.NAME]``: one N+M job over several targets, one torchrun agent per target, joined by
     torchrun's c10d rendezvous. Global ranks go host by host in ``nodes`` order, so host ``i`` runs
-    ranks ``first_rank(i) ..``; targets are ranks ``0..N-1``, drafters ``N..N+M-1``."""
+    ranks ``first_rank(i) ..``: its ``split`` of target ranks first, then its drafter ranks
+    (``training.contract.Topology.placement``)."""
 
     name: str
     topology: Topology
@@ -224,13 +226,17 @@ class MultiRunSpec:
 
     def split(self, index: int) -> tuple[int, int]:
         """(targets, drafters) that host ``index`` runs."""
-        start, end, n = self.first_rank(index), self.first_rank(index + 1), self.topology.targets
-        return min(end, n) - min(start, n), max(end, n) - max(start, n)
+        return self.nodes[index].split
+
+    @property
+    def placement(self) -> str:
+        """The trainer's ``--placement``: each host's split in node order (``"5+3,5+3"``)."""
+        return ",".join(f"{t}+{d}" for t, d in (n.split for n in self.nodes))
 
     @property
     def checkpoint_node(self) -> int:
-        """The host of drafter 0 (rank N): it writes the checkpoints, into its own run dir."""
-        return self.node_of_rank(self.topology.targets)
+        """The host of drafter 0 (the first host with drafters): it writes the checkpoints."""
+        return next(i for i, n in enumerate(self.nodes) if n.split[1] > 0)
 
 
 @dataclass(frozen=True)
@@ -617,7 +623,7 @@ def _parse_multi_run(
         raise ConfigError(
             f'{path}: {key}.topology = {text!r} is not "N+M" with N, M >= 1; e.g. "10+6"'
         ) from None
-    nprocs = _node_nprocs(key, raw.get("per_host"), topo, specs, path)
+    splits = _node_splits(key, raw.get("per_host"), topo, specs, path)
     rendezvous = raw.get("rendezvous")
     _check_type(rendezvous, str, f"{key}.rendezvous", '"host:port" reachable from every target', path)
     m = re.match(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):(\d+)$", rendezvous)
@@ -636,7 +642,7 @@ def _parse_multi_run(
                 f"{path}: {key}.network.{t}: not one of the run's targets ({', '.join(members)})"
             )
     nodes = []
-    for t, nproc in zip(members, nprocs, strict=True):
+    for t, split in zip(members, splits, strict=True):
         nkey = f"{key}.network.{t}"
         hints = network.get(t, {})
         _check_type(hints, dict, nkey, 'a table; e.g. { addr = "10.0.0.2", socket_ifname = "eth0" }', path)
@@ -650,7 +656,7 @@ def _parse_multi_run(
         ifname = _str(hints, "socket_ifname", nkey, path, default="")
         if ifname and not re.match(r"^[A-Za-z0-9_.^,=-]+$", ifname):
             raise ConfigError(f'{path}: {nkey}.socket_ifname = {ifname!r}: an interface name, e.g. "eth0"')
-        nodes.append(NodeSpec(target=t, nproc=nproc, addr=addr, socket_ifname=ifname))
+        nodes.append(NodeSpec(target=t, nproc=sum(split), addr=addr, socket_ifname=ifname, split=split))
     addrs = [n.addr for n in nodes]
     if len(set(addrs)) != len(addrs) or addrs != sorted(addrs):
         raise ConfigError(
@@ -667,9 +673,11 @@ def _parse_multi_run(
     return MultiRunSpec(name=name, topology=topo, nodes=tuple(nodes), rendezvous=rendezvous, run=run)
 
 
-def _node_nprocs(key: str, raw: Any, topo: Topology, specs: list[TargetSpec], path: Path) -> list[int]:
-    """Ranks per host: ``per_host`` (checked against the host-by-host placement), else each
-    target's ``gpus``, else (CPU) the ranks split evenly."""
+def _node_splits(
+    key: str, raw: Any, topo: Topology, specs: list[TargetSpec], path: Path
+) -> list[tuple[int, int]]:
+    """(target ranks, drafter ranks) per host: ``per_host``, else ranks per host from each
+    target's ``gpus`` (CPU: the world split evenly) filled host by host, targets first."""
     world = topo.world_size
     if raw is None:
         if specs[0].gpus > 0:
@@ -679,14 +687,20 @@ def _node_nprocs(key: str, raw: Any, topo: Topology, specs: list[TargetSpec], pa
                     f'{path}: {key}.topology = "{topo}" needs {world} GPUs but its targets have '
                     f"{' + '.join(str(n) for n in nprocs)} = {sum(nprocs)}; make them agree, or give per_host"
                 )
-            return nprocs
-        if world % len(specs):
+        elif world % len(specs):
             raise ConfigError(
                 f'{path}: {key}.topology = "{topo}": {world} CPU ranks do not split evenly over '
                 f'{len(specs)} targets; give per_host = {{ target = "N+M", ... }}'
             )
-        return [world // len(specs)] * len(specs)
-    _check_type(raw, dict, f"{key}.per_host", 'a table; e.g. { pve1 = "8+0", pve2 = "2+6" }', path)
+        else:
+            nprocs = [world // len(specs)] * len(specs)
+        splits, start, n = [], 0, topo.targets
+        for nproc in nprocs:
+            end = start + nproc
+            splits.append((min(end, n) - min(start, n), max(end, n) - max(start, n)))
+            start = end
+        return splits
+    _check_type(raw, dict, f"{key}.per_host", 'a table; e.g. { pve1 = "5+3", pve2 = "5+3" }', path)
     names = [s.name for s in specs]
     if sorted(raw) != sorted(names):
         raise ConfigError(
@@ -711,20 +725,7 @@ def _node_nprocs(key: str, raw: Any, topo: Topology, specs: list[TargetSpec], pa
         splits.append((t, d))
     if (sum(t for t, _ in splits), sum(d for _, d in splits)) != (topo.targets, topo.drafters):
         raise ConfigError(f'{path}: {key}.per_host does not add up to topology = "{topo}"; make them agree')
-    # torchrun numbers ranks host by host and the trainer's targets are ranks 0..N-1: every host's
-    # targets must come before any drafter.
-    placed = MultiRunSpec(
-        "", topo, tuple(NodeSpec(s.name, t + d, "") for s, (t, d) in zip(specs, splits, strict=True)), ""
-    )
-    for i, (s, want) in enumerate(zip(specs, splits, strict=True)):
-        got = placed.split(i)
-        if got != want:
-            raise ConfigError(
-                f'{path}: {key}.per_host.{s.name} = "{want[0]}+{want[1]}", but ranks are placed host by host '
-                f'with the targets first, so {s.name} runs "{got[0]}+{got[1]}": order the targets so that '
-                "hosts with target ranks come first"
-            )
-    return [t + d for t, d in splits]
+    return splits
 
 
 def _parse_commands(key: str, raw: Any, path: Path) -> Commands:

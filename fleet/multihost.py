@@ -290,21 +290,27 @@ def verdict_line(summary: dict[str, Any]) -> str:
 def network_plan(run: MultiRunSpec, needs: RunNeeds, tokens_per_s: float) -> dict[str, Any]:
     """What crosses between hosts and the bandwidth it needs (pure).
 
-    Hidden states go from every target rank to the drafter ranks (``pipeline.order = free``: to
-    whichever has credits, so evenly on average): a target's share that leaves its host is the
-    share of drafters on other hosts. ``hidden_bytes_per_token`` (target layers x hidden x dtype)
-    times the tokens/s the targets produce gives the rate; each host pair's link carries its part.
-    The drafters' DDP all-reduce crosses hosts too when the drafters span several.
+    Each target rank sends its hidden states to its partner drafters (``Topology.partners``: the
+    drafters of its own host when the placement allows, else all; ``pipeline.order = free``: to
+    whichever has credits, so evenly on average), each target an equal share of the batches.
+    ``hidden_bytes_per_token`` (target layers x hidden x dtype) times the tokens/s gives the rate;
+    each host pair's link carries its part. The drafters' DDP all-reduce crosses hosts too when
+    the drafters span several.
     """
-    topo = run.topology
+    from training.contract import parse_placement
+
+    topo = parse_placement(run.topology, run.placement)
     splits = [run.split(i) for i in range(len(run.nodes))]
     per_token = needs.hidden_bytes_per_token
+    shares: dict[tuple[int, int], float] = {}
+    for t in topo.target_ranks:
+        partners = topo.partners(t)
+        for d in partners:
+            pair = (topo.node_of(t), topo.node_of(d))
+            shares[pair] = shares.get(pair, 0.0) + 1 / (topo.targets * len(partners))
     links = []
-    for i, (ti, _) in enumerate(splits):
-        for j, (_, dj) in enumerate(splits):
-            if i == j or not ti or not dj:
-                continue
-            share = (ti / topo.targets) * (dj / topo.drafters)  # of all hidden-state traffic
+    for (i, j), share in sorted(shares.items()):
+        if i != j:
             links.append(
                 {
                     "from": run.nodes[i].target,

@@ -186,7 +186,8 @@ class NodeLaunch:
             f"--rdzv-conf=is_host={'true' if self.index == 0 else 'false'}",
             f"--local-addr={node.addr}",
         ]
-        return [spec.run_python, *launcher, *train, *run.run.overrides, "--topology", str(run.topology)]
+        topology = ["--topology", str(run.topology), "--placement", run.placement]
+        return [spec.run_python, *launcher, *train, *run.run.overrides, *topology]
 
     def env(self, spec: TargetSpec) -> dict[str, str]:
         """What this host's ranks need besides the run's environment: the target's name (errors
@@ -207,6 +208,7 @@ class NodeLaunch:
             "node_rank": self.index,
             "topology": str(run.topology),
             "first_rank": run.first_rank(self.index),
+            "placement": run.placement,
             "nproc": run.nodes[self.index].nproc,
             "checkpoint_host": run.targets[run.checkpoint_node],
         }

@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N+M",
         help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
     )
+    train.add_argument(
+        "--placement",
+        default="",
+        metavar="N+M,N+M",
+        help="several hosts: the target + drafter ranks of each host, in node order (training.contract)",
+    )
     check = sub.add_parser("resume-check", help="can --run-dir resume with this config? (read-only)")
     check.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     check.add_argument("--run-dir", required=True, type=Path)
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.topology or _config_topology(args.config, extra):
                 from training.run.distributed import train_distributed
 
-                return train_distributed(args.config, run_dir, extra, args.topology)
+                return train_distributed(args.config, run_dir, extra, args.topology, args.placement)
             from training.run.single import train
 
             train(args.config, run_dir, extra)

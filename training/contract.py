@@ -359,10 +359,16 @@ _TOPOLOGY = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
 
 @dataclass(frozen=True)
 class Topology:
-    """``targets`` ranks (GPUs) run the frozen target, ``drafters`` ranks train the drafter."""
+    """``targets`` ranks (GPUs) run the frozen target, ``drafters`` ranks train the drafter.
+
+    ``placement`` (several hosts): per host, in node order, (targets, drafters) it runs; its ranks
+    are consecutive (torchrun numbers them host by host), its targets first. Empty: one block,
+    ranks ``0..N-1`` targets, ``N..N+M-1`` drafters (what one host, or hosts filled in order, run).
+    """
 
     targets: int
     drafters: int
+    placement: tuple[tuple[int, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -375,17 +381,60 @@ class Topology:
         """(role, index within the role) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside topology {self} (ranks 0..{self.world_size - 1})")
-        if rank < self.targets:
-            return "target", rank
-        return "drafter", rank - self.targets
+        if not self.placement:
+            return ("target", rank) if rank < self.targets else ("drafter", rank - self.targets)
+        start, targets_before, drafters_before = 0, 0, 0
+        for t, d in self.placement:
+            if rank < start + t:
+                return "target", targets_before + rank - start
+            if rank < start + t + d:
+                return "drafter", drafters_before + rank - start - t
+            start, targets_before, drafters_before = start + t + d, targets_before + t, drafters_before + d
+        raise AssertionError("placement does not cover the world")  # parse_placement checks it
+
+    def node_of(self, rank: int) -> int:
+        """The host (index in ``placement``) of a global rank; 0 without a placement."""
+        start = 0
+        for node, (t, d) in enumerate(self.placement):
+            start += t + d
+            if rank < start:
+                return node
+        return 0
 
     @property
     def target_ranks(self) -> list[int]:
-        return list(range(self.targets))
+        return [r for r in range(self.world_size) if self.role_of(r)[0] == "target"]
 
     @property
     def drafter_ranks(self) -> list[int]:
-        return list(range(self.targets, self.world_size))
+        return [r for r in range(self.world_size) if self.role_of(r)[0] == "drafter"]
+
+    def partners(self, target_rank: int) -> list[int]:
+        """The drafter ranks target ``target_rank`` sends hidden states to: those on its own host
+        when it has some and every host with drafters has targets to feed them (so hidden states
+        stay on their host), else every drafter."""
+        drafters = self.drafter_ranks
+        if not self.placement:
+            return drafters
+        fed = all(t > 0 for t, d in self.placement if d > 0)
+        local = [d for d in drafters if self.node_of(d) == self.node_of(target_rank)]
+        return local if fed and local else drafters
+
+
+def parse_placement(topology: Topology, text: str) -> Topology:
+    """``topology`` with the per-host split ``"5+3,5+3"`` (hosts in node order); ValueError saying
+    what is wrong when the hosts do not add up to it."""
+    if not text:
+        return topology
+    hosts = []
+    for part in text.split(","):
+        match = _TOPOLOGY.match(part)
+        if not match or int(match[1]) + int(match[2]) < 1:
+            raise ValueError(f"placement {text!r}: expected N+M per host, comma-separated, e.g. 5+3,5+3")
+        hosts.append((int(match[1]), int(match[2])))
+    if (sum(t for t, _ in hosts), sum(d for _, d in hosts)) != (topology.targets, topology.drafters):
+        raise ValueError(f"placement {text!r} does not add up to topology {topology}")
+    return Topology(topology.targets, topology.drafters, tuple(hosts))
 
 
 def parse_topology(text: str) -> Topology:

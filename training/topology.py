@@ -53,12 +53,17 @@ STARTUP_TIMEOUT_S = 1800.0
 NODE_NAME_ENV = "FLEET_NODE_NAME"
 
 
-def parse_topology(text: str) -> Topology:
-    """``"5+3"`` -> Topology(5, 3); ``ConfigError`` (one line) for anything else."""
+def parse_topology(text: str, placement: str = "") -> Topology:
+    """``"5+3"`` -> Topology(5, 3), with ``placement`` (``"5+0,0+3"``: per host) if given;
+    ``ConfigError`` (one line) for anything else."""
     try:
-        return contract.parse_topology(text)
+        topology = contract.parse_topology(text)
     except ValueError as err:
         raise ConfigError(f"--topology {text!r}: {err}") from None
+    try:
+        return contract.parse_placement(topology, placement)
+    except ValueError as err:
+        raise ConfigError(f"--placement: {err}") from None
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,8 @@ def test_each_host_runs_one_torchrun_agent_of_the_c10d_rendezvous() -> None:
         "--train.steps=9",
         "--topology",
         "10+6",
+        "--placement",
+        "8+0,2+6",
     ]
     assert "--rdzv-conf=is_host=true" in NodeLaunch(run, 0).argv(spec, "/r", "R")
     assert NodeLaunch(run, 0).env(spec) == {
@@ -139,7 +141,10 @@ def test_per_host_split_and_cpu_hosts() -> None:
         (('targets = ["pve1", "pve2"]', 'targets = ["pve1"]'), "two or more distinct targets"),
         (('targets = ["pve1", "pve2"]', 'targets = ["pve1", "pve9"]'), "'pve9' is not a target"),
         (('"10.0.0.1:29400"', '"10.0.0.1"'), 'is not "host:port"'),
-        (('topology = "10+6"', 'topology = "10+6"\nper_host = { pve1 = "5+3", pve2 = "5+3" }'), 'runs "8+0"'),
+        (
+            ('topology = "10+6"', 'topology = "10+6"\nper_host = { pve1 = "9+0", pve2 = "1+6" }'),
+            "needs 9 GPUs",
+        ),
         (
             ('topology = "10+6"', 'topology = "10+6"\nper_host = { pve1 = "8+0", pve2 = "2+5" }'),
             "does not add up",
@@ -221,3 +226,28 @@ def test_plan_says_what_crosses_the_network_and_its_bandwidth() -> None:
     assert "pve1 -> pve2: 80% of the batches, 819.2 MB/s (6.55 Gbit/s)" in text, text
     split = parse(HOSTS + WIDE.replace('"10+6"', '"10+6"\nper_host = { pve1 = "8+0", pve2 = "2+6" }'))
     assert network_plan(split.runs["wide"], needs, 20_000)["links"] == plan["links"]
+
+
+def test_a_per_host_split_keeps_hidden_states_on_their_host() -> None:
+    from fleet.doctor import RunNeeds
+    from fleet.multihost import network_plan, plan_text
+    from training.contract import parse_placement, parse_topology
+
+    text = HOSTS + WIDE.replace('"10+6"', '"10+6"\nper_host = { pve1 = "5+3", pve2 = "5+3" }')
+    run = parse(text).runs["wide"]
+    assert run.placement == "5+3,5+3" and run.checkpoint_node == 0
+    topo = parse_placement(parse_topology("10+6"), run.placement)
+    # pve1: ranks 0-4 targets 0-4, 5-7 drafters 0-2; pve2: ranks 8-12 targets 5-9, 13-15 drafters 3-5
+    assert [topo.role_of(r) for r in (0, 4, 5, 7, 8, 12, 13, 15)] == [
+        ("target", 0), ("target", 4), ("drafter", 0), ("drafter", 2),
+        ("target", 5), ("target", 9), ("drafter", 3), ("drafter", 5),
+    ]  # fmt: skip
+    assert topo.partners(0) == [5, 6, 7] and topo.partners(12) == [13, 14, 15]
+    needs = RunNeeds("c", known=True, hidden_size=5120, target_layers=5, dtype_bytes=2, drafter_params=10**9)
+    plan = network_plan(run, needs, 20_000)
+    assert plan["links"] == [] and plan["ddp_across_hosts"], plan
+    text_out = plan_text(plan)
+    assert "hidden states stay on their hosts" in text_out and "8,000.0 MB of gradients" in text_out, text_out
+    # a host of drafters only: its drafters are fed from everywhere, so every target sends to all
+    lone = parse_placement(parse_topology("2+2"), "2+1,0+1")
+    assert lone.partners(0) == [2, 3]

@@ -321,6 +321,29 @@ def test_free_order_two_drafters_trains(tiny_cache: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_a_placement_keeps_each_targets_batches_on_its_hosts_drafter(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """2+2 placed as two hosts of 1+1 (ranks 0 t0, 1 d0 | 2 t1, 3 d1): each target sends only to
+    the drafter of its host, so drafter 0 trains on target 0's batches (even: g % 2 == 0), drafter
+    1 on target 1's (odd); drafter 0 (rank 1) checkpoints."""
+    run_dir = tmp_path / "run"
+    argv = [*_torchrun("2+2", run_dir, ["--train.steps=3"]), "--placement", "1+1,1+1"]
+    proc = subprocess.run(
+        argv, cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(run_dir / "events.jsonl")
+    roles = {e["rank"]: (e["role"]) for e in events if e["event"] == "run_start"}
+    assert roles == {0: "target", 1: "drafter", 2: "target", 3: "drafter"}
+    batches = {r: [e["batch"] for e in events if e["event"] == "step" and e["rank"] == r] for r in (1, 3)}
+    assert len(batches[1]) == len(batches[3]) == 3, batches
+    assert all(b % 2 == 0 for b in batches[1]) and all(b % 2 == 1 for b in batches[3]), batches
+    assert (run_dir / "checkpoints" / "step-00000003.pt").is_file()
+    assert {e["rank"] for e in events if e["event"] == "done"} == {1, 3}
+
+
+@pytest.mark.slow
 def test_killed_rank_ends_job_with_error_naming_it(tiny_cache: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     argv = _torchrun("2+1", run_dir, ["--train.steps=100000"])

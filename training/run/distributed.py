@@ -207,6 +207,9 @@ class TargetWorker(Worker):
             )
             threads.append(start_thread(f"send-{d}", body))
         open_ = set(drafters)
+        # free order: the drafters on this target's host when the placement allows (hidden states
+        # stay on the host), else all; fixed order: its drafter; every drafter is told END
+        partners = set(topo.partners(ctx.rank))
         stopped_by_signal = False
         seq = first + (ctx.index - first) % topo.targets
         self.events.phase("train")
@@ -225,7 +228,7 @@ class TargetWorker(Worker):
         while open_:
             for ready in self.ready("peers"):
                 handle(ready)
-            ready_ds = [d for d in sorted(open_) if credits[d] > 0]
+            ready_ds = [d for d in sorted(open_ if fixed else open_ & partners) if credits[d] > 0]
             if fixed:
                 want = drafters[seq % topo.drafters]
                 dest = want if (seq < total and want in ready_ds) else None
@@ -495,7 +498,7 @@ def agree_start(ctx: DistContext, worker: Worker) -> int:
     have no checkpoint: drafter 0's host holds them)."""
     mine = worker.step if isinstance(worker, DrafterWorker) and ctx.index == 0 else 0
     step = torch.tensor([mine], dtype=torch.long)
-    dist.broadcast(step, src=ctx.topology.targets, group=ctx.control)
+    dist.broadcast(step, src=ctx.topology.drafter_ranks[0], group=ctx.control)
     return int(step.item())
 
 
@@ -512,10 +515,13 @@ def _check_pipeline(config: RunConfig) -> None:
         )
 
 
-def train_distributed(config_name: str, run_dir: Path, overrides: list[str], topology_text: str) -> int:
-    """One rank of an N+M job; returns the exit code (errors: an ``error`` event naming ranks)."""
+def train_distributed(
+    config_name: str, run_dir: Path, overrides: list[str], topology_text: str, placement: str = ""
+) -> int:
+    """One rank of an N+M job; returns the exit code (errors: an ``error`` event naming ranks).
+    ``placement``: the per-host split of a job over several hosts (``Topology.placement``)."""
     config = load_config(config_name, overrides)
-    topology = parse_topology(topology_text or config.pipeline.topology)
+    topology = parse_topology(topology_text or config.pipeline.topology, placement)
     _check_pipeline(config)
     run_dir = run_dir.resolve()
     check_resumable(config, run_dir)  # every rank, before the rendezvous (rank 0 writes config.json after it)
