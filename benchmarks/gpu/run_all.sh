@@ -200,14 +200,15 @@ PY
             timeout -k 20 "${MULTINODE_LIMIT_S:-520}" "${argv[@]}" "${cfg[@]}" --topology 1+1 > "$dir/n$i.log" 2>&1 &
     done
     wait
-    tail -5 "$dir/n0.log" "$dir/n1.log"
+    tail -n 5 "$dir/n0.log" "$dir/n1.log"
     # one events file of both hosts (the target's balance events are on n0, the drafter's steps on n1)
     mkdir -p "$dir/merged"
     python3 -c "import json,sys; ev=[json.loads(l) for f in sys.argv[1:] for l in open(f) if l.strip()]; \
 ev.sort(key=lambda e: e.get('ts', 0)); print('\n'.join(json.dumps(e) for e in ev))" \
         "$dir/n0/run/events.jsonl" "$dir/n1/run/events.jsonl" > "$dir/merged/events.jsonl"
     python3 benchmarks/topology_bench.py --config qwen3-8b-h200 --topology 1+1 --summarize "$dir/merged" \
-        --warmup-steps 5 --data.num_buckets=1 --data.corpus_files=300 | tail -1 | tee "$OUT/multinode.json"
+        --peak-tflops "${PEAK_TFLOPS:-748.67}" --warmup-steps 5 --data.num_buckets=1 --data.corpus_files=300 \
+        | tail -1 | tee "$OUT/multinode.json"
     rm -rf "$dir"/n*/run/checkpoints "$dir"/n*/run/data-cache
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
