@@ -228,6 +228,8 @@ class TargetWorker(Worker):
         while open_:
             for ready in self.ready("peers"):
                 handle(ready)
+            if not open_:  # the last STOP came in with the ready messages: nothing to wait for
+                break
             ready_ds = [d for d in sorted(open_ if fixed else open_ & partners) if credits[d] > 0]
             if fixed:
                 want = drafters[seq % topo.drafters]
