@@ -28,7 +28,14 @@ from training.config import RunConfig, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
-from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.model.target import (
+    is_compiled,
+    load_tokenizer,
+    model_source,
+    num_layers,
+    resolve_device,
+    target_forward,
+)
 from training.run import core
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.eval import evaluate_acceptance
@@ -126,6 +133,7 @@ class Trainer:
             self.device,
             echo=print0,
             prewarm_dtype=None if self.eval_only else self.target.get_input_embeddings().weight.dtype,
+            target=self.target if is_compiled(self.target) else None,
         )
 
     def _resume(self) -> None:
