@@ -115,13 +115,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             y = labels[start:stop, None]
             w = row_weights[start:stop, None].float()
             logits = F.linear(h, weight, bias).float()  # [c, V]: the one float32 copy
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total += ((lse - logits.gather(1, y)) * w).sum()
             correct[start:stop] = logits.argmax(dim=-1) == y[:, 0]
+            picked = logits.gather(1, y)
+            top = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(top).exp_()  # in place: exp(logit - max)
+            norm = exp.sum(dim=-1, keepdim=True)
+            total += ((top + norm.log() - picked) * w).sum()  # logsumexp - label logit
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
-            grad = logits.sub_(lse).exp_()  # softmax, in place
-            grad.scatter_add_(1, y, torch.full_like(w, -1.0)).mul_(w)  # w * (softmax - onehot)
+            grad = exp.mul_(w / norm).scatter_add_(1, y, -w)  # w * (softmax - onehot), in place
             grad_logits = grad.to(weight.dtype)
             if grad_h is not None:
                 grad_h[start:stop] = grad_logits @ weight
