@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from training.compile import cache as cc
 from training.compile.warm import cut_target, run_target_shapes, warm_compiled_target
-from training.config import ModelSection, load_config
+from training.config import load_config
 from training.model.target import (
     build_random_target,
     can_compile,
@@ -124,7 +124,38 @@ def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> No
     assert result.stdout.split()[-2:] == ["1", "0"]  # hit, miss
 
 
-def test_model_section_default_compiles_the_target() -> None:
+def test_compile_target_is_on_by_default_and_can_be_turned_off() -> None:
     assert load_config("tiny-cpu").compile.target is True
     assert load_config("tiny-cpu", ["--compile.target=false"]).compile.target is False
-    assert isinstance(ModelSection(), ModelSection)
+
+
+def test_a_target_rank_sets_the_guards_and_activates_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    from training.compile.warm import prepare_target_compile
+    from training.data.buckets import EpochPlanner
+
+    planner = EpochPlanner(
+        np.array([10] * 7 + [50] * 7 + [120] * 5),
+        num_buckets=3,
+        max_length=128,
+        token_budget=512,
+        max_batch_size=64,
+        seed=0,
+    )
+    monkeypatch.setenv(cc.ROOT_ENV, str(tmp_path / "cache"))
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # activate() sets it: restored after
+    torch._dynamo.config.recompile_limit = 1
+    lines: list[str] = []
+    reporter = prepare_target_compile(TINY, planner, torch.device("cpu"), echo=lines.append)
+    assert torch._dynamo.config.recompile_limit >= len(planner.boundaries) - 1
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    key = cc.cache_key(torch.device("cpu")).text
+    assert reporter.key == key and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "cache" / key / "inductor"
+    )
+    assert lines[0].startswith("compile: target forward, recompile_limit=") and "not warmed" in lines[1]
