@@ -14,9 +14,9 @@ Builds the run's target and drafter on one device as the split probe does (``Tra
   compiled (``compile_target``; its first call, the cold compile, is reported on its own);
 - the drafter step (``drafter_step``: forward, backward, clipping, AdamW) on a real batch of that
   bucket and the compiled target's hidden states: the current code, then ``previous``: the
-  attention and the loss as they were before (the block's k/v projected from one [context ;
-  block] concatenation; each loss chunk under activation checkpointing, recomputing the
-  lm_head), patched in for the comparison.
+  attention, MLP and loss as they were before (the block's k/v projected from one [context ;
+  block] concatenation, autocast casting each projection's input; each loss chunk under
+  activation checkpointing, recomputing the lm_head), patched in for the comparison.
 
 MFU from ``training.model.flops`` (the target's forward on the batch's tokens; the drafter step
 from the batch's own anchors and labels), against the bf16 8192^3 matmul rate measured here and
@@ -86,19 +86,27 @@ def previous_attention_forward(self, x, ctx, rope_q, rope_kv, attend):
     return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 
+def previous_mlp_forward(self, x):
+    """``DrafterMLP.forward`` before its input was cast once."""
+    import torch.nn.functional as F
+
+    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 @contextmanager
 def previous_code() -> Iterator[None]:
-    """The drafter's attention and loss as they were before, for the ``previous`` timing."""
+    """The drafter's attention, MLP and loss as they were before, for the ``previous`` timing."""
     from training.model import loss
-    from training.model.drafter import DrafterAttention
+    from training.model.drafter import DrafterAttention, DrafterMLP
 
-    saved = (loss.linear_cross_entropy, DrafterAttention.forward)
+    saved = (loss.linear_cross_entropy, DrafterAttention.forward, DrafterMLP.forward)
     loss.linear_cross_entropy = previous_linear_cross_entropy
     DrafterAttention.forward = previous_attention_forward
+    DrafterMLP.forward = previous_mlp_forward
     try:
         yield
     finally:
-        loss.linear_cross_entropy, DrafterAttention.forward = saved
+        loss.linear_cross_entropy, DrafterAttention.forward, DrafterMLP.forward = saved
 
 
 def timed(fn: Callable[[], Any], iters: int, sync: Callable[[], None]) -> list[float]:

@@ -278,6 +278,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = _autocast_copy(x)  # one cast for both projections (autocast would cast it for each)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -451,7 +452,7 @@ class DFlashDrafter(nn.Module):
             loss=result.loss,
             acc_per_offset=acc,
             tau_estimate=result.tau_estimate,
-            num_tokens=int(result.count.sum().item()),
+            num_tokens=result.labelled,
             correct_per_offset=result.correct,
             count_per_offset=result.count,
         )

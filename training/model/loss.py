@@ -45,6 +45,7 @@ class BlockLoss:
     count: Tensor  # [B-1] long: labelled positions, per offset
     accepted: int = 0  # sum over blocks of the accepted length (module docstring)
     blocks: int = 0  # blocks with a labelled offset 1
+    labelled: int = 0  # labelled positions (count.sum(), known on the host without a sync)
 
     @property
     def tau_estimate(self) -> float:
@@ -180,9 +181,10 @@ def block_loss(
     n, q_len, _ = hidden.shape
     offsets = (torch.arange(q_len, device=hidden.device) % block_size).expand(n, q_len)
     mask = label_mask.bool() & (offsets > 0)
-    flat_h = hidden[mask]  # [M, H]
-    flat_labels = labels[mask]
-    flat_off = offsets[mask]
+    rows = mask.reshape(-1).nonzero().squeeze(1)  # the labelled positions, row-major: one host sync
+    flat_h = hidden.reshape(n * q_len, -1).index_select(0, rows)  # [M, H]
+    flat_labels = labels.reshape(-1).index_select(0, rows)
+    flat_off = offsets.reshape(-1).index_select(0, rows)
     w_table = offset_weights(block_size, gamma, hidden.device)
     flat_w = w_table[flat_off]
     count = torch.bincount(flat_off - 1, minlength=block_size - 1)[: block_size - 1]
@@ -194,7 +196,7 @@ def block_loss(
     correct = torch.bincount(flat_off[correct_flags] - 1, minlength=block_size - 1)[: block_size - 1]
     loss = total / flat_w.sum()
     accepted, blocks = accept_lengths(mask, correct_flags, block_size)
-    return BlockLoss(loss=loss, correct=correct, count=count, accepted=accepted, blocks=blocks)
+    return BlockLoss(loss=loss, correct=correct, count=count, accepted=accepted, blocks=blocks, labelled=m)
 
 
 def accept_lengths(mask: Tensor, correct_flags: Tensor, block_size: int) -> tuple[int, int]:
@@ -207,4 +209,5 @@ def accept_lengths(mask: Tensor, correct_flags: Tensor, block_size: int) -> tupl
     ok = grid.view(n, q_len // block_size, block_size)[..., 1:] | ~valid
     run = ok.long().cumprod(dim=-1) * valid.long()
     counted = valid[..., 0]  # a block whose first draft is labelled
-    return int(run.sum(dim=-1)[counted].sum().item()), int(counted.sum().item())
+    accepted, blocks = torch.stack([(run.sum(dim=-1) * counted).sum(), counted.sum()]).tolist()  # one sync
+    return int(accepted), int(blocks)

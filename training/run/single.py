@@ -173,10 +173,12 @@ class Trainer:
     def train_step(self, batch: Batch) -> core.StepResult:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         mask = batch.loss_mask.to(self.device, non_blocking=True)
+        # Anchors from the batch's CPU mask: from the device copy, sample_anchors' copy back would
+        # wait for the target forward queued before it, and the drafter step could not be queued
+        # meanwhile.
+        anchors = core.batch_anchors(self.config, batch.loss_mask, batch.lengths, batch.position)
         hidden = target_forward(self.target, ids, self.layer_ids)
-        return self.drafter_step(
-            ids, mask, hidden, core.batch_anchors(self.config, mask, batch.lengths, batch.position)
-        )
+        return self.drafter_step(ids, mask, hidden, anchors.to(self.device, non_blocking=True))
 
     def drafter_step(
         self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor

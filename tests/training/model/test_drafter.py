@@ -328,22 +328,28 @@ def _previous_attention_forward(self, x, ctx, rope_q, rope_kv, attend):
     return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 
+def _previous_mlp_forward(self, x):
+    """``DrafterMLP.forward`` before its input was cast once (autocast casting per projection)."""
+    return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_split_kv_projections_equal_the_previous_attention(
     autocast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Loss and every gradient of a training step equal the previous attention's, in float32 and
-    under bf16 autocast (the GPU's setting, here on the CPU: the same casts)."""
-    from training.model.drafter import DrafterAttention
+    """Loss, accuracy, tau and every gradient of a training step equal the previous attention's and
+    MLP's, in float32 and under bf16 autocast (the GPU's setting, here on the CPU: the same casts)."""
+    from training.model.drafter import DrafterAttention, DrafterMLP
 
     target = tiny_target()
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 200, (2, 24), generator=g)
     mask = torch.ones(2, 24, dtype=torch.bool)
-    results = []
+    results, counts = [], []
     for previous in (False, True):
         if previous:
             monkeypatch.setattr(DrafterAttention, "forward", _previous_attention_forward)
+            monkeypatch.setattr(DrafterMLP, "forward", _previous_mlp_forward)
         drafter = tiny_drafter(target, attention_backend="blockwise")
         hidden = hidden_of(target, ids, drafter.target_layer_ids)
         anchors = sample_anchors(mask, torch.tensor([24, 24]), 8, torch.Generator().manual_seed(5))
@@ -351,7 +357,9 @@ def test_split_kv_projections_equal_the_previous_attention(
             out = drafter(ids, hidden, mask, anchors)
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+        counts.append((out.num_tokens, out.count_per_offset.tolist()))
     (loss, grads), (ref_loss, ref_grads) = results
+    assert counts[0] == counts[1] and counts[0][0] == sum(counts[0][1]) > 0
     tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-4, "atol": 1e-6}
     torch.testing.assert_close(loss, ref_loss, **tol)
     assert grads.keys() == ref_grads.keys()
