@@ -108,7 +108,8 @@ def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> No
     assert [(s.batch_size, s.length) for s in done] == [(3, 48)]
     assert "compiled target forward, fxgraph 0 hit / 1 miss" in lines[0]
     child = (
-        "import torch; from torch._dynamo.utils import counters\n"
+        f"import torch; torch.set_num_threads({torch.get_num_threads()})  # CPU inductor keys hold it\n"
+        "from torch._dynamo.utils import counters\n"
         "from training.config import load_config\n"
         "from training.model.target import build_random_target, compile_target, target_forward\n"
         "cfg = load_config('tiny-cpu', ['--model.kind=random'])\n"
@@ -116,7 +117,7 @@ def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> No
         "target_forward(t, torch.randint(0, 100, (3, 48)), [0, 2, 3])\n"
         "print(counters['inductor']['fxgraph_cache_hit'], counters['inductor']['fxgraph_cache_miss'])\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     result = subprocess.run(
         [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
@@ -146,14 +147,13 @@ def test_a_target_rank_sets_the_guards_and_activates_the_cache(
         seed=0,
     )
     monkeypatch.setenv(cc.ROOT_ENV, str(tmp_path / "cache"))
-    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
-        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # activate() sets it: restored after
-    torch._dynamo.config.recompile_limit = 1
+    guards = {"recompile_limit": 1, "accumulated_recompile_limit": 256, "fail_on_recompile_limit_hit": False}
     lines: list[str] = []
-    reporter = prepare_target_compile(TINY, planner, torch.device("cpu"), echo=lines.append)
-    assert torch._dynamo.config.recompile_limit >= len(planner.boundaries) - 1
-    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    with torch._dynamo.config.patch(**guards):  # restored after
+        reporter = prepare_target_compile(TINY, planner, torch.device("cpu"), echo=lines.append)
+        assert torch._dynamo.config.recompile_limit >= len(planner.boundaries) - 1
+        assert torch._dynamo.config.fail_on_recompile_limit_hit
     key = cc.cache_key(torch.device("cpu")).text
     assert reporter.key == key and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
         tmp_path / "cache" / key / "inductor"
