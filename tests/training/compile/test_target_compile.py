@@ -45,6 +45,7 @@ def fresh_dynamo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     counters.clear()
 
 
+@pytest.mark.slow
 def test_compiled_target_forward_equals_eager_with_one_graph_and_no_graph_break() -> None:
     target = _target()
     ids = torch.randint(0, TINY.model.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
@@ -91,6 +92,7 @@ def test_a_hybrid_target_is_not_compiled() -> None:
     assert "runs eager" in lines[-1]
 
 
+@pytest.mark.slow
 def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> None:
     """The warm-up compiles a one-layer cut; a new process running the full 4-layer target's
     compiled forward on the same shape then hits the cache (0 misses)."""
