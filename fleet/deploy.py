@@ -237,7 +237,7 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes, mode: int, mtime
     tar.addfile(info, io.BytesIO(data))
 
 
-RELEASE_REMOTE = ("run.sh", "run_notify.py")  # the run's wrapper and its notifier, in every release
+RELEASE_REMOTE = ("run.sh", "run_notify.py", "run_cause.py")  # the run's wrapper and its helpers
 
 
 def build_release_tar(

@@ -169,6 +169,9 @@ class CompileSection:
     recompile_limit: int = 0  # 0 = from the number of length buckets
     fail_on_recompile: bool = False  # pre-warm every shape, then set_stance("fail_on_recompile")
     mode: str = "default"
+    # The frozen target's forward compiled per bucket shape too, wherever the run compiles
+    # (training.model.target.compile_target; a target with linear-attention layers stays eager).
+    target: bool = True
 
 
 @dataclass(frozen=True)

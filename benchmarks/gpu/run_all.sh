@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
-# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile, multinode
-# and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to compare). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
+# (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile, roles,
+# multinode and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to
+# compare). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
 # steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -64,6 +65,13 @@ profile() {  # torch.profiler top-20 kernels per role (target forward, drafter s
     timeout -k 20 "${PROFILE_LIMIT_S:-420}" python3 benchmarks/profile_roles.py --config qwen3-8b-h200 \
         --warmup 3 --steps 3 --out "$OUT/profile" --data.num_buckets=1 --data.corpus_files=300 \
         | tail -1 | tee "$OUT/profile.json"
+}
+roles() {  # each role alone on one GPU: target forward eager vs compiled, drafter step now vs previous, with MFU
+    # one call of ~5-7 min on an H200, the cold compiles (target layer, drafter flex) included: a fresh cache dir
+    rm -rf /tmp/rb-cache
+    FLEET_COMPILE_CACHE=/tmp/rb-cache timeout -k 20 "${ROLES_LIMIT_S:-560}" python3 benchmarks/role_bench.py \
+        --config qwen3-8b-h200 --data.num_buckets=1 --data.corpus_files=300 | tee "$OUT/roles.log" \
+        | tail -1 > "$OUT/roles.json"
 }
 gpu_count() { nvidia-smi -L | grep -c '^GPU'; }
 topology_line() {  # topology_line N: the inventory's 1+1 topology line when N >= 2 GPUs, else nothing

@@ -12,7 +12,7 @@
 #   up to that many times, FLEET_RESTART_BACKOFF_S seconds apart (the trainer resumes from its
 #   newest checkpoint), unless `fab stop` asked for the end (RUN_DIR/stop_signal), the exit was 2
 #   (a config error) or the attempt's log shows a cause listed in FLEET_NO_RETRY (lines
-#   "signature<TAB>fixed string"). Each ended attempt is one line of RUN_DIR/attempts.jsonl.
+#   "signature<TAB>regex", checked by RELEASE_DIR/remote/run_cause.py). Each ended attempt is one line of RUN_DIR/attempts.jsonl.
 # - with notifications (FLEET_NOTIFY_URL and/or FLEET_NOTIFY_COMMAND in run.env) runs
 #   RELEASE_DIR/remote/run_notify.py with ARGV's python: `watch` beside the trainer (stalls) and
 #   `send` when the run finishes, fails or is restarted. Those values (a webhook URL or header may
@@ -88,13 +88,9 @@ no_retry_cause() {
         printf 'config-error'
         return
     fi
-    while IFS=$'\t' read -r sig needle; do
-        [ -n "$needle" ] || continue
-        if tail -c "+$from" -- "$log" 2>/dev/null | grep -qF -- "$needle"; then
-            printf '%s' "$sig"
-            return
-        fi
-    done <<< "$no_retry"
+    if [ -n "$no_retry" ]; then
+        FLEET_NO_RETRY=$no_retry "$python" -I "$release_dir/remote/run_cause.py" "$log" "$from" 2>/dev/null || true
+    fi
 }
 
 record_attempt() {  # attempt exit_code cause retry

@@ -234,48 +234,73 @@ def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
     )
 
 
-_SIGNATURES: tuple[tuple[re.Pattern[str], Matcher], ...] = (
-    (re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized"), _fx_trace),
-    (
+@dataclass(frozen=True)
+class Signature:
+    """One row of the table: the line that triggers it, what it means, and whether a restart can help."""
+
+    id: str  # the Diagnosis.signature its matcher returns
+    pattern: re.Pattern[str]
+    matcher: Matcher
+    # False: running the same command again cannot fix it, so the restart policy does not retry it.
+    retryable: bool = True
+
+
+_SIGNATURES: tuple[Signature, ...] = (
+    Signature(
+        "fx-trace-threads",
+        re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized"),
+        _fx_trace,
+        retryable=False,
+    ),
+    Signature(
+        "recompile-limit",
         re.compile(r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit\w*) \((\d+)\)"),
         _recompile_limit,
     ),
-    (re.compile(r"flex_attention called without torch\.compile\(\)"), _flex_dense),
-    (re.compile(r"(?:OutOfMemoryError|RuntimeError): CUDA out of memory"), _cuda_oom),
-    (re.compile(r"Watchdog caught collective operation timeout"), _nccl_timeout),
-    (re.compile(r"errors\.ChildFailedError"), _rank_died),
-    (re.compile(r"Driver/library version mismatch|NVML_ERROR_LIB_RM_VERSION_MISMATCH"), _nvml),
-    (re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import),
-    (re.compile(r"No space left on device|\[Errno 28\]"), _disk_full),
-    (
+    Signature(
+        "flex-uncompiled", re.compile(r"flex_attention called without torch\.compile\(\)"), _flex_dense
+    ),
+    Signature("cuda-oom", re.compile(r"(?:OutOfMemoryError|RuntimeError): CUDA out of memory"), _cuda_oom),
+    Signature("nccl-timeout", re.compile(r"Watchdog caught collective operation timeout"), _nccl_timeout),
+    Signature("rank-died", re.compile(r"errors\.ChildFailedError"), _rank_died),
+    Signature(
+        "nvml-mismatch",
+        re.compile(r"Driver/library version mismatch|NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
+        _nvml,
+        retryable=False,
+    ),
+    Signature(
+        "import-error", re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import, retryable=False
+    ),
+    Signature("disk-full", re.compile(r"No space left on device|\[Errno 28\]"), _disk_full),
+    Signature(
+        "rendezvous",
         re.compile(r"^torchrun: ((?:the rendezvous|cannot reach the rendezvous)\b.*?\)): (.+)$"),
         _rendezvous,
     ),
 )
 # How a process died when nothing more specific says why (a NCCL watchdog timeout, for one,
 # ends in a C++ abort too): used only when no signature above matched, before the bare traceback.
-_FALLBACKS: tuple[tuple[re.Pattern[str], Matcher], ...] = (
-    (re.compile(r"terminate called after throwing an instance of '([^']+)'"), _cpp_abort),
-    (
+_FALLBACKS: tuple[Signature, ...] = (
+    Signature(
+        "cpp-abort", re.compile(r"terminate called after throwing an instance of '([^']+)'"), _cpp_abort
+    ),
+    Signature(
+        "native-crash",
         re.compile(r"Fatal Python error: (Segmentation fault|Bus error|Aborted|Floating point exception)"),
         _native_crash,
     ),
 )
 
-# Signatures that mean the process died (not a warning it survived): a log that shows one has
-# failed, even when nothing says whether its process still runs (`fab status --log`).
-# Causes that running the same command again cannot fix, as fixed strings the run's wrapper
-# looks for in the failed attempt's log before a restart (restart policy, fleet/remote/run.sh;
-# exit 2, a config error, is never retried either). Each is a literal part of its signature's
-# pattern in _SIGNATURES (tests check it).
-NOT_RETRYABLE: tuple[tuple[str, str], ...] = (
-    ("fx-trace-threads", "Detected that you are using FX to symbolically trace a dynamo-optimized"),
-    ("nvml-mismatch", "Driver/library version mismatch"),
-    ("nvml-mismatch", "NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
-    ("import-error", "ModuleNotFoundError: "),
-    ("import-error", "ImportError: "),
+# The causes the restart policy never retries (fleet/remote/run.sh; exit 2, a config error, is not
+# retried either): (signature, pattern) rows of the table above, applied to the failed attempt's
+# log by remote/run_cause.py with the same line cleaning as ``diagnose``.
+NOT_RETRYABLE: tuple[tuple[str, str], ...] = tuple(
+    (sig.id, sig.pattern.pattern) for sig in _SIGNATURES if not sig.retryable
 )
 
+# Signatures that mean the process died (not a warning it survived): a log that shows one has
+# failed, even when nothing says whether its process still runs (`fab status --log`).
 FATAL_SIGNATURES = frozenset(
     {
         "fx-trace-threads",
@@ -396,14 +421,14 @@ def find_traceback(text: str, lines: Sequence[str] | None = None) -> Traceback |
     return _traceback_in_rank_streams(text) or last_traceback(clean_lines(text) if lines is None else lines)
 
 
-def _scan(lines: list[str], signatures: Sequence[tuple[re.Pattern[str], Matcher]]) -> list[Diagnosis]:
+def _scan(lines: list[str], signatures: Sequence[Signature]) -> list[Diagnosis]:
     """Each signature at its first line, in the order they appear."""
     found: list[tuple[int, Diagnosis]] = []
-    for pattern, matcher in signatures:
+    for sig in signatures:
         for i, line in enumerate(lines):
-            match = pattern.search(line)
+            match = sig.pattern.search(line)
             if match:
-                found.append((i, matcher(lines, i, match)))
+                found.append((i, sig.matcher(lines, i, match)))
                 break
     found.sort(key=lambda pair: pair[0])
     return [d for _, d in found]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import pytest
 from testkit import wait_for
 
+import training
 from fleet import deploy as d
 from fleet import remote, runs
 from fleet.errors import RunError
@@ -613,7 +615,15 @@ def _wrapper(tmp_path: Path, name: str, script: str, restart_max: int) -> tuple[
     spec = TargetSpec(name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max))
     env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
     (run_dir / "run.env").write_bytes(runs.env_file_text(env))
-    argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(tmp_path), "sh", "-c", script, "trainer"]
+    release = tmp_path / "release"  # what a release holds for the wrapper: its helpers and training/
+    if not release.exists():
+        (release / "remote").mkdir(parents=True)
+        shutil.copy(remote.path("run_cause.py"), release / "remote")
+        (release / "training").symlink_to(Path(training.__file__).parent)
+    # The trainer's argv starts with the run's python, as in a real run (the wrapper's helpers use it).
+    call_sh = f"import subprocess, sys; sys.exit(subprocess.call(['sh', '-c', {script!r}]))"
+    trainer = [sys.executable, "-c", call_sh]
+    argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(release), *trainer]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60).returncode, run_dir
 
 
@@ -645,12 +655,33 @@ def test_run_wrapper_restarts_a_failed_trainer_but_never_a_cause_a_restart_canno
     assert code == 137 and _attempts(run_dir) == []
 
 
-def test_not_retryable_strings_are_part_of_their_diagnoses() -> None:
+_FAILURE_LINES = {  # a real line of each kind of failure, as torchrun's ranks print them
+    "fx-trace-threads": "[rank1]: RuntimeError: Detected that you are using FX to symbolically trace a "
+    "dynamo-optimized function. This is not supported at the moment.",
+    "nvml-mismatch": "Failed to initialize NVML: Driver/library version mismatch",
+    "import-error": "[rank0]: ModuleNotFoundError: No module named 'flashinfer'",
+    "cuda-oom": "[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+    "disk-full": "OSError: [Errno 28] No space left on device",
+}
+
+
+def test_the_restart_decision_and_the_diagnosis_read_a_log_alike() -> None:
+    """run_cause.py (what the wrapper runs) finds exactly the not-retryable diagnoses, on the same lines."""
     from fleet.status.diagnose import NOT_RETRYABLE, diagnose
 
-    for signature, needle in NOT_RETRYABLE:
-        found = [d.signature for d in diagnose(f"Traceback (most recent call last):\n{needle}x y\n", [])]
-        assert signature in found, (signature, needle, found)
+    spec = importlib.util.spec_from_file_location("run_cause", remote.path("run_cause.py"))
+    assert spec is not None and spec.loader is not None
+    run_cause = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_cause)
+    rows = runs.wrapper_env(TargetSpec(name="t", host="local", workdir="/w", run=RunSpec(restart_max=1)))[
+        "FLEET_NO_RETRY"
+    ]
+    assert {sig for sig, _ in NOT_RETRYABLE} == {"fx-trace-threads", "nvml-mismatch", "import-error"}
+    for signature, line in _FAILURE_LINES.items():
+        log = f"step 10\nTraceback (most recent call last):\n{line}\n"
+        assert next(d.signature for d in diagnose(log)) == signature
+        expected = signature if signature in {sig for sig, _ in NOT_RETRYABLE} else ""
+        assert run_cause.first_cause(log, rows) == expected, (signature, line)
 
 
 class _Hook:

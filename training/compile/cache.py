@@ -158,6 +158,9 @@ class Manifest:
     # nothing to warm), "n/a" (no linear attention, or no GPU), "" (a manifest that predates this).
     target_fast_path: str = ""
     target_shapes: tuple[ShapeRecord, ...] = ()
+    # The target's forward compiled per shape (compile.target, a dense target): ``target_shapes``
+    # are then the compiled forward's warm-up.
+    target_compiled: bool = False
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -32,6 +32,11 @@ depend on the layer shapes, the dtype and the batch shape only, not on the depth
 weights; their code and autotune results land in the key's ``triton/`` dir, which every target
 rank uses (``training.run.core.ready_target``).
 
+A dense target's forward is compiled per bucket shape (``compile.target``,
+``training.model.target.compile_target``): every decoder layer runs one compiled graph with its
+weights as graph inputs, so the warm-up compiles it on a one-layer cut of the target (random
+weights), one forward per shape, and a warmed run's target misses nothing either.
+
 ``prepare_compile`` is what every training process that compiles runs before its first
 step (the single trainer and the drafter ranks): the recompile guards, then the cache
 activated before the first compile and, when asked to (the single trainer with
@@ -137,14 +142,26 @@ def target_config(config: RunConfig, folder: str) -> Any:
 def kernel_probe_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module | None:
     """The target cut to one layer of each kind (random weights, on ``device``) for warming its
     linear-attention kernels; None when it has no linear-attention layers."""
-    from transformers import AutoModelForCausalLM
-
     text = getattr(hf_config, "text_config", None) or hf_config
     types = list(getattr(text, "layer_types", None) or [])
     if "linear_attention" not in types:
         return None
-    depth = next(n for n in range(1, len(types) + 1) if set(types[:n]) == set(types))
-    cut = type(text).from_dict({**text.to_dict(), "num_hidden_layers": depth, "layer_types": types[:depth]})
+    return cut_target(hf_config, device, dtype)
+
+
+def cut_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target cut to its first layers up to one of each kind (one layer for a dense target),
+    random weights, on ``device``, frozen: the layer shapes, dtype and code of the real target, so
+    what it compiles or autotunes per batch shape is what the real target's forward uses."""
+    from transformers import AutoModelForCausalLM
+
+    text = getattr(hf_config, "text_config", None) or hf_config
+    types = list(getattr(text, "layer_types", None) or [])
+    depth = next((n for n in range(1, len(types) + 1) if set(types[:n]) == set(types)), 1)
+    cut_fields: dict[str, Any] = {"num_hidden_layers": depth}
+    if types:
+        cut_fields["layer_types"] = types[:depth]
+    cut = type(text).from_dict({**text.to_dict(), **cut_fields})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cut, dtype=dtype)
     model = model.to_empty(device=device)
@@ -176,11 +193,43 @@ def warm_target_kernels(
     return kernels.fast_path, run_target_shapes(probe, shapes, device=device, echo=echo)
 
 
+def warm_compiled_target(
+    config: RunConfig,
+    hf_config: Any,
+    shapes: Sequence[ShapeRecord],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    echo: Echo = _echo,
+) -> list[ShapeRecord]:
+    """The compiled target forward of every shape (``compile.target``), on a one-layer cut of the
+    target: every layer runs the same compiled graph with its weights as inputs, so the graphs
+    (and their cache entries) are the full target's. [] when the target is not compiled
+    (linear-attention layers)."""
+    from training.model.target import compile_target
+
+    probe = cut_target(hf_config, device, dtype)
+    if not compile_target(probe, mode=config.compile.mode):
+        echo("warm: the target has linear-attention layers: its forward runs eager, nothing to compile")
+        return []
+    done = run_target_shapes(probe, shapes, device=device, echo=echo, what="compiled target forward")
+    del probe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return done
+
+
 def run_target_shapes(
-    probe: nn.Module, shapes: Sequence[ShapeRecord], *, device: torch.device, echo: Echo = _echo
+    probe: nn.Module,
+    shapes: Sequence[ShapeRecord],
+    *,
+    device: torch.device,
+    echo: Echo = _echo,
+    what: str = "",
 ) -> list[ShapeRecord]:
     """One target forward (the trainer's ``target_forward``, every layer) per shape, random tokens;
-    the shapes with their seconds."""
+    the shapes with their seconds. ``what`` names the warm-up in the progress lines (default: the
+    linear-attention kernels)."""
     from training.model.target import num_layers, target_forward
 
     vocab = probe.get_input_embeddings().weight.shape[0]
@@ -195,10 +244,13 @@ def run_target_shapes(
             torch.cuda.synchronize(device)
         seconds = time.monotonic() - started
         done.append(ShapeRecord(shape.bucket, shape.batch_size, shape.length, round(seconds, 3)))
-        echo(
-            f"warm target [{i}/{len(shapes)}] batch {shape.batch_size} x {shape.length}: {seconds:.1f}s "
-            "(the linear-attention kernels compile and autotune at their first use)"
+        note = (
+            f"{what}, {format_counters(cache_counters())}"
+            if what
+            else "the linear-attention kernels compile and autotune at their first use"
         )
+        where = f"[{i}/{len(shapes)}] batch {shape.batch_size} x {shape.length}"
+        echo(f"warm target {where}: {seconds:.1f}s ({note})")
     return done
 
 
@@ -339,14 +391,16 @@ def run_warm(
         f"(fail_on_recompile_limit_hit), setup {time.monotonic() - started:.1f}s"
     )
     done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
-    target_fast_path, target_done = "n/a", []
-    if device.type == "cuda":
-        probe = kernel_probe_target(target_config(config, folder), device, dtype)
-        if probe is not None:
-            warmed = warm_target_kernels(config, probe, shapes, device=device, echo=echo)
-            target_fast_path, target_done = warmed
-            del probe
-            torch.cuda.empty_cache()
+    target_fast_path, target_done, target_compiled = "n/a", [], False
+    hf_config = target_config(config, folder)
+    if device.type == "cuda" and (probe := kernel_probe_target(hf_config, device, dtype)) is not None:
+        warmed = warm_target_kernels(config, probe, shapes, device=device, echo=echo)
+        target_fast_path, target_done = warmed
+        del probe
+        torch.cuda.empty_cache()
+    elif config.compile.target:
+        target_done = warm_compiled_target(config, hf_config, shapes, device=device, dtype=dtype, echo=echo)
+        target_compiled = bool(target_done)
     blob_bytes, entries = save_blob(cache.blob_path)
     manifest = Manifest(
         key=cache.key.text,
@@ -366,6 +420,7 @@ def run_warm(
         counters=cache_counters(),
         target_fast_path=target_fast_path,
         target_shapes=tuple(target_done),
+        target_compiled=target_compiled,
     )
     cache.write_manifest(manifest)
     echo(
@@ -373,6 +428,20 @@ def run_warm(
         f"({entries} entries), {format_counters(manifest.counters)}"
     )
     return manifest
+
+
+def prepare_target_compile(
+    config: RunConfig, planner: EpochPlanner, device: torch.device, *, echo: Echo
+) -> CounterReporter:
+    """A target rank's ``prepare_compile`` (its compiled target forward, ``compile.target``): the
+    recompile guards for the run's shapes, the cache activated (blob loaded when warmed); returns
+    the ``compile_cache`` reporter to call after every forward."""
+    num_shapes = num_compiled_shapes(planner)
+    limit = attention.configure_compile(num_shapes, 1)
+    if config.compile.recompile_limit > 0:
+        torch._dynamo.config.recompile_limit = limit = config.compile.recompile_limit
+    echo(f"compile: target forward, recompile_limit={limit} for {num_shapes} shapes")
+    return start(device, echo=echo)
 
 
 def prepare_compile(
@@ -383,11 +452,13 @@ def prepare_compile(
     *,
     echo: Echo,
     prewarm_dtype: torch.dtype | None = None,
+    target: nn.Module | None = None,
 ) -> CounterReporter:
     """Before a training process's first compiled step: CPU compile switched on where needed,
     the recompile guards for the run's shapes, the cache of ``$FLEET_COMPILE_CACHE`` activated
     (blob loaded when warmed) and, given ``prewarm_dtype`` (the target's hidden-state dtype) and
-    ``compile.fail_on_recompile``, every shape pre-warmed here, then recompiles forbidden.
+    ``compile.fail_on_recompile``, every shape pre-warmed here (the drafter's step and, given a
+    compiled ``target``, its forward), then recompiles forbidden.
     Returns the ``compile_cache`` reporter to call after every step."""
     if device.type == "cpu":
         attention.set_cpu_compile(True)
@@ -398,6 +469,8 @@ def prepare_compile(
     if config.compile.fail_on_recompile and prewarm_dtype is not None:
         shapes = compile_shapes(planner)
         prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=prewarm_dtype, echo=echo)
+        if target is not None:
+            run_target_shapes(target, shapes, device=device, echo=echo, what="compiled target forward")
         torch.compiler.set_stance("fail_on_recompile")
         echo(f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)")
     return reporter
@@ -429,13 +502,16 @@ __all__ = [
     "WarmStepFailed",
     "compile_shapes",
     "config_hash",
+    "cut_target",
     "kernel_probe_target",
     "num_compiled_shapes",
     "prepare_compile",
+    "prepare_target_compile",
     "prewarm",
     "run_target_shapes",
     "run_warm",
     "set_compile_guards",
+    "warm_compiled_target",
     "warm_main",
     "warm_target_kernels",
 ]

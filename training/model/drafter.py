@@ -221,6 +221,15 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 Attend = attention.Attend
 
 
+def _autocast_copy(x: Tensor) -> Tensor:
+    """``x`` in the autocast dtype of its device when autocast is on there (what autocast hands
+    a matmul), else ``x``: cast once, used by several matmuls."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x
+    return x.to(torch.get_autocast_dtype(kind))
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
         super().__init__()
@@ -245,10 +254,16 @@ class DrafterAttention(nn.Module):
         attend: Attend,
     ) -> Tensor:
         b, q_len, _ = x.shape
+        # Keys/values of [context ; block]: projected apart and joined after the projection (KV
+        # width, not the hidden width: no [B, T+Q, H] concatenation), from one autocast copy of
+        # the block's input (autocast would cast it once per projection); ``ctx`` comes cast once
+        # for all layers (``_blocks``).
+        x = _autocast_copy(x)
         q = self.q_norm(self._heads(self.q_proj(x), self.heads)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.kv_heads)).transpose(1, 2)
-        v = self._heads(self.v_proj(kv_in), self.kv_heads).transpose(1, 2)
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1)
+        k = self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2)
+        v = self._heads(v, self.kv_heads).transpose(1, 2)
         q = _apply_rope(q, *rope_q)
         k = _apply_rope(k, *rope_kv)
         out = attend(q, k, v)  # [B, Hq, Q, D]
@@ -263,6 +278,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = _autocast_copy(x)  # one cast for both projections (autocast would cast it for each)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -390,6 +406,7 @@ class DFlashDrafter(nn.Module):
         kv_pos = torch.cat([torch.arange(T, device=anchors.device).expand(bsz, T), q_pos], dim=1)
         rope_q = _rope(q_pos, self.head_dim, self.cfg.rope_theta)
         rope_kv = _rope(kv_pos, self.head_dim, self.cfg.rope_theta)
+        ctx = _autocast_copy(ctx)  # every layer's k/v projections read it: one cast per step
         for layer, window in zip(self.layers, self.windows, strict=True):
             h = layer(h, ctx, rope_q, rope_kv, attends[window])
         return self.norm(h)
@@ -435,7 +452,7 @@ class DFlashDrafter(nn.Module):
             loss=result.loss,
             acc_per_offset=acc,
             tau_estimate=result.tau_estimate,
-            num_tokens=int(result.count.sum().item()),
+            num_tokens=result.labelled,
             correct_per_offset=result.correct,
             count_per_offset=result.count,
         )

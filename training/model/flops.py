@@ -42,10 +42,9 @@ gradient, weight gradient); what the drafter does not need is left out:
                         only (offset 0 and positions past the row's end or without loss are dropped
                         before it, training/model/loss.py)
 
-Not counted (not useful work): the loss chunks' checkpoint recompute of the lm_head (one more
-forward), the masked-out pairs flex still computes inside partly visible tiles, norms, rotary,
-softmax, cross-entropy and the optimizer. ``AnchorStats`` carries what the anchors decide
-(visible context keys per window, labelled positions): exactly from a batch's tensors
+Not counted (not useful work): the masked-out pairs flex still computes inside partly visible
+tiles, norms, rotary, softmax, cross-entropy and the optimizer. ``AnchorStats`` carries what the
+anchors decide (visible context keys per window, labelled positions): exactly from a batch's tensors
 (``AnchorStats.from_tensors``) or as the expectation of ``sample_anchors``' uniform draw
 (``AnchorStats.expected``).
 """

@@ -7,10 +7,14 @@ weighted mean over every labelled position in the batch:
 
     loss = sum_i w(k_i) * CE(logits_i, label_i) / sum_i w(k_i)
 
-The shared lm_head and the cross-entropy run in chunks of ``chunk_size`` positions, each
-under ``torch.utils.checkpoint(use_reentrant=False)``: only one chunk's [chunk x vocab]
-logits exist at a time, in the forward and again in the backward (recomputed), never the
-whole [tokens x vocab] matrix. Logits are computed in float32 for the softmax.
+The shared lm_head and the cross-entropy run in chunks of ``chunk_size`` positions, and each
+chunk's gradient is computed in the same pass (``_LinearCrossEntropy``): only one chunk's
+[chunk x vocab] logits exist at a time (its bf16 matmul output and one float32 copy, turned
+into the softmax gradient in place), never the whole [tokens x vocab] matrix, and the backward
+only scales the saved [tokens x hidden] gradient. The lm_head's matmul runs twice per chunk
+(the logits, the input gradient), not three times as under activation checkpointing (forward,
+recomputed forward, input gradient); the frozen lm_head's weight gradient is computed only
+when it requires one. The softmax is taken in float32.
 
 Accuracy per offset: the share of labelled positions at offset ``k`` whose argmax equals
 the label; offsets with no labelled position report 0.
@@ -25,11 +29,11 @@ blocks``. Unlike a product of per-offset accuracies, this keeps which drafts fai
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class BlockLoss:
     count: Tensor  # [B-1] long: labelled positions, per offset
     accepted: int = 0  # sum over blocks of the accepted length (module docstring)
     blocks: int = 0  # blocks with a labelled offset 1
+    labelled: int = 0  # labelled positions (count.sum(), known on the host without a sync)
 
     @property
     def tau_estimate(self) -> float:
@@ -76,12 +81,83 @@ def tau_from_accuracy(acc: Tensor | list[float]) -> float:
     return total
 
 
-def _chunk_loss(hidden: Tensor, labels: Tensor, weights: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor]:
-    weight = getattr(lm_head, "weight", None)
-    logits = lm_head(hidden if weight is None else hidden.to(weight.dtype)).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    correct = logits.argmax(dim=-1) == labels
-    return (ce * weights).sum(), correct
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``sum_i w_i * CE(lm_head(h_i), y_i)`` over chunks of rows, with the gradients of ``h`` (and
+    of the lm_head's weight and bias, where they require one) computed chunk by chunk in the
+    forward; also returns the rows' ``argmax == label`` flags (not differentiable).
+
+    Per chunk: logits in the weight's dtype (the lm_head's own matmul), one float32 copy for
+    logsumexp, label logit and argmax; then, when a gradient is needed, that copy becomes
+    ``w * (softmax - onehot)`` in place and is multiplied back through the weight. The
+    backward multiplies the saved gradients by the incoming scalar."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        row_weights: Tensor,
+        chunk_size: int,
+        want_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        need_h = want_grad and ctx.needs_input_grad[0]
+        need_w = want_grad and ctx.needs_input_grad[1]
+        need_b = want_grad and bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:stop].to(weight.dtype)
+            y = labels[start:stop, None]
+            w = row_weights[start:stop, None].float()
+            logits = F.linear(h, weight, bias).float()  # [c, V]: the one float32 copy
+            correct[start:stop] = logits.argmax(dim=-1) == y[:, 0]
+            picked = logits.gather(1, y)
+            top = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(top).exp_()  # in place: exp(logit - max)
+            norm = exp.sum(dim=-1, keepdim=True)
+            total += ((top + norm.log() - picked) * w).sum()  # logsumexp - label logit
+            if grad_h is None and grad_w is None and grad_b is None:
+                continue
+            grad = exp.mul_(w / norm).scatter_add_(1, y, -w)  # w * (softmax - onehot), in place
+            grad_logits = grad.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start:stop] = grad_logits @ weight
+            if grad_w is not None:
+                grad_w += (grad_logits.t() @ h).float()
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
+        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, _grad_correct: Tensor | None) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        grads = [
+            (g * grad_total).to(dtype) if present else None
+            for g, present, dtype in zip(saved, ctx.present, ctx.dtypes, strict=True)
+        ]
+        return grads[0], grads[1], grads[2], None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor, lm_head: nn.Module, labels: Tensor, row_weights: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """(``sum_i w_i * CE(lm_head(h_i), y_i)`` float32 scalar, [M] bool ``argmax == y``) of rows
+    ``hidden`` [M, H], ``chunk_size`` rows at a time (``_LinearCrossEntropy``)."""
+    weight = lm_head.weight
+    bias = getattr(lm_head, "bias", None)
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    want_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)  # not in eval/no_grad
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, row_weights, chunk_size, want_grad)
 
 
 def block_loss(
@@ -93,22 +169,22 @@ def block_loss(
     block_size: int,
     gamma: float,
     chunk_size: int,
-    checkpointed: bool = True,
 ) -> BlockLoss:
     """Weighted, chunked block CE.
 
     hidden [N, Q, H] (Q = K*block_size, block-major), labels [N, Q] long, label_mask [N, Q]
     bool (offset 0 and unlabelled positions False). ``chunk_size`` counts positions.
-    ``checkpointed=False`` computes the same chunks without recomputation (test reference).
+    ``lm_head``: a linear layer (``weight`` [V, H], optional ``bias``).
     """
     if chunk_size < 1:
         raise ValueError(f"block_loss: chunk_size={chunk_size} must be >= 1")
     n, q_len, _ = hidden.shape
     offsets = (torch.arange(q_len, device=hidden.device) % block_size).expand(n, q_len)
     mask = label_mask.bool() & (offsets > 0)
-    flat_h = hidden[mask]  # [M, H]
-    flat_labels = labels[mask]
-    flat_off = offsets[mask]
+    rows = mask.reshape(-1).nonzero().squeeze(1)  # the labelled positions, row-major: one host sync
+    flat_h = hidden.reshape(n * q_len, -1).index_select(0, rows)  # [M, H]
+    flat_labels = labels.reshape(-1).index_select(0, rows)
+    flat_off = offsets.reshape(-1).index_select(0, rows)
     w_table = offset_weights(block_size, gamma, hidden.device)
     flat_w = w_table[flat_off]
     count = torch.bincount(flat_off - 1, minlength=block_size - 1)[: block_size - 1]
@@ -116,22 +192,11 @@ def block_loss(
     if m == 0:
         zero = hidden.sum() * 0.0
         return BlockLoss(loss=zero, correct=torch.zeros_like(count), count=count)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    correct_parts: list[Tensor] = []
-    for start in range(0, m, chunk_size):
-        stop = min(start + chunk_size, m)
-        args = (flat_h[start:stop], flat_labels[start:stop], flat_w[start:stop], lm_head)
-        if checkpointed and torch.is_grad_enabled() and flat_h.requires_grad:
-            part, corr = checkpoint(_chunk_loss, *args, use_reentrant=False)
-        else:
-            part, corr = _chunk_loss(*args)
-        total = total + part
-        correct_parts.append(corr)
-    correct_flags = torch.cat(correct_parts)
+    total, correct_flags = linear_cross_entropy(flat_h, lm_head, flat_labels, flat_w, chunk_size)
     correct = torch.bincount(flat_off[correct_flags] - 1, minlength=block_size - 1)[: block_size - 1]
     loss = total / flat_w.sum()
     accepted, blocks = accept_lengths(mask, correct_flags, block_size)
-    return BlockLoss(loss=loss, correct=correct, count=count, accepted=accepted, blocks=blocks)
+    return BlockLoss(loss=loss, correct=correct, count=count, accepted=accepted, blocks=blocks, labelled=m)
 
 
 def accept_lengths(mask: Tensor, correct_flags: Tensor, block_size: int) -> tuple[int, int]:
@@ -144,4 +209,5 @@ def accept_lengths(mask: Tensor, correct_flags: Tensor, block_size: int) -> tupl
     ok = grid.view(n, q_len // block_size, block_size)[..., 1:] | ~valid
     run = ok.long().cumprod(dim=-1) * valid.long()
     counted = valid[..., 0]  # a block whose first draft is labelled
-    return int(run.sum(dim=-1)[counted].sum().item()), int(counted.sum().item())
+    accepted, blocks = torch.stack([(run.sum(dim=-1) * counted).sum(), counted.sum()]).tolist()  # one sync
+    return int(accepted), int(blocks)

@@ -6,13 +6,22 @@ random weights straight on the device from a config (meta init, then ``to_empty`
 ``init_weights``), so a Qwen3-8B shape needs no 16 GB download or save. ``target_forward``
 runs the decoder (not the lm_head: no [tokens x vocab] logits) and returns the outputs of the
 chosen decoder layers, captured with forward hooks, concatenated on the feature axis.
+
+``compile_target(model)`` makes ``target_forward`` run every decoder layer through one
+``torch.compile``d function (``dynamic=False``: one graph per bucket shape, shared by all layers,
+whose weights are graph inputs), fusing the RMSNorms, the rotary embedding, SiLU x up and the
+casts around the matmuls (a third of the uncompiled forward's GPU time). Only ``target_forward``
+uses it: other callers of the model (the acceptance eval, with a new length every round) stay
+eager. A target with linear-attention layers (``qwen3_5``) is not compiled: its fast path is
+flash-linear-attention's own Triton kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,6 +226,34 @@ def describe_layers(model: nn.Module, layer_ids: Sequence[int]) -> str:
 # the formula is used unchanged and no layer type is preferred.
 
 
+_COMPILED_LAYER = "_fleet_compiled_layer"  # the model attribute holding the compiled layer call
+
+
+def _layer_call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """One decoder layer's forward (its class's, so the compiled code is one for every layer)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def can_compile(model: nn.Module) -> bool:
+    """Whether ``compile_target`` applies: no linear-attention layers (those run their own kernels)."""
+    return "linear_attention" not in layer_types(model)
+
+
+def compile_target(model: nn.Module, *, mode: str = "default") -> bool:
+    """Make ``target_forward`` run ``model``'s decoder layers compiled (module docstring); False
+    (nothing changed) for a model ``can_compile`` refuses. Compiles lazily, at the first call of
+    each shape, under the compile cache activated by then (``training.compile.cache``)."""
+    if not can_compile(model):
+        return False
+    compiled = torch.compile(_layer_call, dynamic=False, mode=None if mode == "default" else mode)
+    setattr(model, _COMPILED_LAYER, compiled)
+    return True
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return getattr(model, _COMPILED_LAYER, None) is not None
+
+
 class _Captured(Exception):
     """Raised by the hook of the deepest chosen layer: the layers after it are not needed."""
 
@@ -247,6 +284,10 @@ def target_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequenc
 
     handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(layer_ids))]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    compiled: Callable[..., Any] | None = getattr(model, _COMPILED_LAYER, None)
+    swapped = list(layers)[: deepest + 1] if compiled is not None else []
+    for layer in swapped:  # for this call only; the hooks stay eager around the compiled body
+        layer.forward = functools.partial(compiled, layer)
     try:
         decoder(input_ids=input_ids, use_cache=False)
     except _Captured:
@@ -254,6 +295,8 @@ def target_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequenc
     finally:
         for handle in handles:
             handle.remove()
+        for layer in swapped:
+            del layer.forward
     # Same convention as ``output_hidden_states`` (DFlash's, and the eval's): the last layer's
     # entry is taken after the decoder's final norm.
     final_norm = getattr(decoder, "norm", None)

@@ -17,7 +17,8 @@ warm-up) reuse:
     load_train_data                   the tokenized data and its cache folder
     emit_run_start, announce_buckets, load_run_target   the start-up events both drivers write
     ready_target                      a rank that runs the target forward: its layers and kernels
-                                      (line + ``target`` event), the fast-path check, the kernel cache
+                                      (line + ``target`` event), the fast-path check, the kernel cache,
+                                      its forward compiled (``compile.target``)
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ from training.model.kernels import (
     linear_attention_kernels,
     require_fast_path,
 )
-from training.model.target import check_vocab, describe_layers, layer_types, load_model, text_config
+from training.model.target import (
+    check_vocab,
+    compile_target,
+    describe_layers,
+    layer_types,
+    load_model,
+    text_config,
+)
 from training.run.checkpoint import (
     CheckpointWriter,
     SavedCheckpoint,
@@ -483,7 +491,9 @@ def ready_target(
 ) -> TargetKernels:
     """Before a rank's first target forward: the start-up lines (chosen layers with their mixers;
     which linear-attention kernels run), the ``target`` event, ``target.require_fast_path`` (one
-    line and exit 2 instead of a ~1.5x slower run) and, on a GPU under ``$FLEET_COMPILE_CACHE``,
+    line and exit 2 instead of a ~1.5x slower run), the forward compiled where the run compiles and
+    ``compile.target`` is on (``compile_target``: a dense target only) and, on a GPU under
+    ``$FLEET_COMPILE_CACHE``,
     the Triton cache dir of the compile-cache key, so the linear-attention kernels' compiled code
     and autotune results (``fab warm`` runs them) are found there and new ones land there."""
     from training.compile.cache import activate, resolve_root
@@ -508,6 +518,11 @@ def ready_target(
             hidden_size=int(text_config(target).hidden_size),
         )
     require_fast_path(kernels, device_type=device.type, required=config.target.require_fast_path, who=who)
+    if compiles(config, device) and config.compile.target:
+        if compile_target(target, mode=config.compile.mode):
+            echo("target forward: compiled per bucket shape (compile.target)")
+        else:
+            echo("target forward: eager (compile.target: linear-attention layers run their own kernels)")
     root = resolve_root()
     if kernels.fast_path == "yes" and device.type == "cuda" and root is not None:
         triton_dir = activate(root, device, load=False).cache.triton_dir

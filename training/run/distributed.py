@@ -50,7 +50,7 @@ from training.config import ConfigError, RunConfig, TrainingError, load_config, 
 from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
-from training.model.target import load_tokenizer, model_source, num_layers, target_forward
+from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
 from training.run import core
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.pipeline import (
@@ -162,6 +162,11 @@ class TargetWorker(Worker):
         )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.pad_to_bucket = core.compiles(cfg, ctx.device)
+        self.compile_reporter: CounterReporter | None = None
+        if is_compiled(self.target):
+            self.compile_reporter = warm.prepare_target_compile(
+                cfg, self.data.planner, ctx.device, echo=lambda line: _say(f"target {ctx.index}: {line}")
+            )
         self.cursor, self.position = 0, Position()  # global batch number -> its data position
         self.prefetched: dict[int, Batch] = {}
 
@@ -244,6 +249,8 @@ class TargetWorker(Worker):
             upcoming = seq + topo.targets
             item = self.produce(seq, upcoming if (not fixed or upcoming < total) else None)
             self.balance.busy(time.monotonic() - started, int(item.lengths.sum()))
+            if self.compile_reporter is not None:
+                self.compile_reporter.report(self.events)  # compile_cache: first forward, then on change
             outboxes[dest].put(item)
             credits[dest] -= 1
             produced += 1

@@ -28,7 +28,14 @@ from training.config import RunConfig, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
-from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.model.target import (
+    is_compiled,
+    load_tokenizer,
+    model_source,
+    num_layers,
+    resolve_device,
+    target_forward,
+)
 from training.run import core
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.eval import evaluate_acceptance
@@ -126,6 +133,7 @@ class Trainer:
             self.device,
             echo=print0,
             prewarm_dtype=None if self.eval_only else self.target.get_input_embeddings().weight.dtype,
+            target=self.target if is_compiled(self.target) else None,
         )
 
     def _resume(self) -> None:
@@ -165,10 +173,12 @@ class Trainer:
     def train_step(self, batch: Batch) -> core.StepResult:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         mask = batch.loss_mask.to(self.device, non_blocking=True)
+        # Anchors from the batch's CPU mask: from the device copy, sample_anchors' copy back would
+        # wait for the target forward queued before it, and the drafter step could not be queued
+        # meanwhile.
+        anchors = core.batch_anchors(self.config, batch.loss_mask, batch.lengths, batch.position)
         hidden = target_forward(self.target, ids, self.layer_ids)
-        return self.drafter_step(
-            ids, mask, hidden, core.batch_anchors(self.config, mask, batch.lengths, batch.position)
-        )
+        return self.drafter_step(ids, mask, hidden, anchors.to(self.device, non_blocking=True))
 
     def drafter_step(
         self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor

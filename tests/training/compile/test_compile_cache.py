@@ -261,6 +261,11 @@ def test_fab_warm_writes_a_complete_manifest_and_the_blob(warmed: dict[str, Any]
     assert (key_dir / cc.BLOB_FILE).stat().st_size == manifest.blob_bytes > 0
     assert any((key_dir / "inductor").iterdir())
     assert "warm [1/1] bucket 0 [0, 65): batch" in warmed["warm"].stdout
+    # the target's compiled forward too (compile.target), one forward per shape
+    assert manifest.target_compiled and [(s.batch_size, s.length) for s in manifest.target_shapes] == [
+        (manifest.shapes[0].batch_size, 64)
+    ]
+    assert "warm target [1/1]" in warmed["warm"].stdout
 
 
 @pytest.mark.slow
@@ -277,6 +282,7 @@ def test_fab_train_after_fab_warm_reports_hits_and_zero_misses(warmed: dict[str,
     assert first["fxgraph_hit"] > 0 and first["aotautograd_hit"] > 0
     assert first["fxgraph_miss"] == 0 and first["aotautograd_miss"] == 0
     assert events[-1]["fxgraph_miss"] == 0  # nothing compiled later in the run either
+    assert "target forward: compiled per bucket shape" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow

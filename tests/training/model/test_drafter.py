@@ -310,3 +310,58 @@ def test_the_drafter_layout_comes_from_the_drafter_config() -> None:
         assert own.block_hidden(ids, th, torch.tensor([[3, 7]])).shape == (1, 8, 64)
     with pytest.raises(ValueError, match="multiple of"):
         tiny_drafter(target, num_attention_heads=6, num_key_value_heads=4)
+
+
+def _previous_attention_forward(self, x, ctx, rope_q, rope_kv, attend):
+    """``DrafterAttention.forward`` before the k/v projections were split (the reference): one
+    [context ; block] concatenation at the hidden width, autocast casting per projection."""
+    from training.model.drafter import _apply_rope
+
+    b, q_len, _ = x.shape
+    q = self.q_norm(self._heads(self.q_proj(x), self.heads)).transpose(1, 2)
+    kv_in = torch.cat([ctx, x], dim=1)
+    k = self.k_norm(self._heads(self.k_proj(kv_in), self.kv_heads)).transpose(1, 2)
+    v = self._heads(self.v_proj(kv_in), self.kv_heads).transpose(1, 2)
+    q = _apply_rope(q, *rope_q)
+    k = _apply_rope(k, *rope_kv)
+    out = attend(q, k, v)
+    return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
+
+
+def _previous_mlp_forward(self, x):
+    """``DrafterMLP.forward`` before its input was cast once (autocast casting per projection)."""
+    return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_split_kv_projections_equal_the_previous_attention(
+    autocast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loss, accuracy, tau and every gradient of a training step equal the previous attention's and
+    MLP's, in float32 and under bf16 autocast (the GPU's setting, here on the CPU: the same casts)."""
+    from training.model.drafter import DrafterAttention, DrafterMLP
+
+    target = tiny_target()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 200, (2, 24), generator=g)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    results, counts = [], []
+    for previous in (False, True):
+        if previous:
+            monkeypatch.setattr(DrafterAttention, "forward", _previous_attention_forward)
+            monkeypatch.setattr(DrafterMLP, "forward", _previous_mlp_forward)
+        drafter = tiny_drafter(target, attention_backend="blockwise")
+        hidden = hidden_of(target, ids, drafter.target_layer_ids)
+        anchors = sample_anchors(mask, torch.tensor([24, 24]), 8, torch.Generator().manual_seed(5))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = drafter(ids, hidden, mask, anchors)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+        counts.append((out.num_tokens, out.count_per_offset.tolist()))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert counts[0] == counts[1] and counts[0][0] == sum(counts[0][1]) > 0
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-4, "atol": 1e-6}
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **tol, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,4 +1,5 @@
-"""The DFlash block loss: offsets, weights, chunking under checkpointing, accuracy and tau."""
+"""The DFlash block loss: offsets, weights, chunking, the gradient computed in the forward
+(equal to the previous checkpointed implementation, kept here as the reference), accuracy and tau."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
-from training.model.loss import block_loss, offset_weights, tau_from_accuracy
+from training.model.loss import accept_lengths, block_loss, offset_weights, tau_from_accuracy
 
 torch.set_num_threads(2)
 
@@ -55,27 +59,115 @@ def test_no_labelled_position_gives_zero_loss_with_a_graph() -> None:
     assert out.acc_per_offset.tolist() == [0.0, 0.0, 0.0]
 
 
-def _problem(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Linear]:
+def _problem(
+    seed: int, bias: bool = False, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor, Tensor, nn.Linear]:
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 5 * 4, 16, generator=g)
     labels = torch.randint(0, 50, (2, 20), generator=g)
     mask = torch.rand(2, 20, generator=g) > 0.3
-    lm_head = nn.Linear(16, 50, bias=False)
+    lm_head = nn.Linear(16, 50, bias=bias, dtype=dtype)
     with torch.no_grad():
         lm_head.weight.copy_(torch.randn(50, 16, generator=g))
+        if bias:
+            lm_head.bias.copy_(torch.randn(50, generator=g))
     return hidden, labels, mask, lm_head
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7])
-def test_chunked_loss_equals_unchunked_loss_and_gradients(chunk: int) -> None:
-    hidden, labels, mask, lm_head = _problem(chunk)
+def _previous_chunk_loss(
+    hidden: Tensor, labels: Tensor, weights: Tensor, lm_head: nn.Module
+) -> tuple[Tensor, Tensor]:
+    weight = getattr(lm_head, "weight", None)
+    logits = lm_head(hidden if weight is None else hidden.to(weight.dtype)).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum(), logits.argmax(dim=-1) == labels
+
+
+def previous_block_loss(
+    hidden: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    lm_head: nn.Module,
+    *,
+    block_size: int,
+    gamma: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """The implementation before the gradient moved into the forward: F.cross_entropy on float32
+    logits, each chunk under non-reentrant activation checkpointing. (loss, correct, count,
+    accepted, blocks)."""
+    n, q_len, _ = hidden.shape
+    offsets = (torch.arange(q_len) % block_size).expand(n, q_len)
+    mask = label_mask.bool() & (offsets > 0)
+    flat_h, flat_labels, flat_off = hidden[mask], labels[mask], offsets[mask]
+    flat_w = offset_weights(block_size, gamma)[flat_off]
+    count = torch.bincount(flat_off - 1, minlength=block_size - 1)[: block_size - 1]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    parts = []
+    for start in range(0, flat_h.shape[0], chunk_size):
+        stop = min(start + chunk_size, flat_h.shape[0])
+        args = (flat_h[start:stop], flat_labels[start:stop], flat_w[start:stop], lm_head)
+        part, corr = checkpoint(_previous_chunk_loss, *args, use_reentrant=False)
+        total = total + part
+        parts.append(corr)
+    flags = torch.cat(parts)
+    correct = torch.bincount(flat_off[flags] - 1, minlength=block_size - 1)[: block_size - 1]
+    accepted, blocks = accept_lengths(mask, flags, block_size)
+    return total / flat_w.sum(), correct, count, accepted, blocks
+
+
+@pytest.mark.parametrize(
+    ("chunk", "bias", "frozen"), [(1, False, True), (3, False, False), (7, True, False), (10_000, True, True)]
+)
+def test_loss_and_gradients_equal_the_previous_checkpointed_implementation(
+    chunk: int, bias: bool, frozen: bool
+) -> None:
+    hidden, labels, mask, lm_head = _problem(chunk, bias)
+    lm_head.requires_grad_(not frozen)
     results = []
-    for chunk_size, ckpt in ((10_000, False), (chunk, True), (chunk, False)):
+    for loss_fn in (block_loss, previous_block_loss):
+        h = hidden.clone().requires_grad_(True)
+        lm_head.zero_grad(set_to_none=True)
+        out = loss_fn(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=chunk)
+        loss, correct, count, accepted, blocks = (
+            (out.loss, out.correct, out.count, out.accepted, out.blocks) if loss_fn is block_loss else out
+        )
+        (loss * 3.0).backward()  # a scale on the way back: the saved gradients are multiplied
+        grads = [None if p.grad is None else p.grad.clone() for p in lm_head.parameters()]
+        results.append((loss.detach(), h.grad.clone(), grads, correct, count, (accepted, blocks)))
+    new, ref = results
+    torch.testing.assert_close(new[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new[1], ref[1], rtol=1e-5, atol=1e-6)
+    for got, want in zip(new[2], ref[2], strict=True):
+        assert (got is None) == (want is None) == frozen
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(new[3], ref[3]) and torch.equal(new[4], ref[4]) and new[5] == ref[5]
+
+
+def test_bf16_lm_head_matches_the_previous_implementation_within_bf16_rounding() -> None:
+    """The drafter's case: a frozen bf16 lm_head, float32 hidden states."""
+    hidden, labels, mask, lm_head = _problem(5, dtype=torch.bfloat16)
+    lm_head.requires_grad_(False)
+    outs = []
+    for loss_fn in (block_loss, previous_block_loss):
+        h = hidden.clone().requires_grad_(True)
+        out = loss_fn(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=3)
+        loss = out.loss if loss_fn is block_loss else out[0]
+        loss.backward()
+        assert h.grad.dtype == torch.float32
+        outs.append((loss.detach(), h.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=2e-2, atol=1e-4)
+
+
+def test_chunked_loss_equals_unchunked_loss_and_gradients() -> None:
+    hidden, labels, mask, lm_head = _problem(0)
+    results = []
+    for chunk_size in (10_000, 1, 3, 7):
         h = hidden.clone().requires_grad_(True)
         lm_head.zero_grad()
-        out = block_loss(
-            h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=chunk_size, checkpointed=ckpt
-        )
+        out = block_loss(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=chunk_size)
         out.loss.backward()
         results.append(
             (out.loss.detach(), h.grad.clone(), lm_head.weight.grad.clone(), out.correct, out.count)
@@ -88,17 +180,36 @@ def test_chunked_loss_equals_unchunked_loss_and_gradients(chunk: int) -> None:
         assert torch.equal(other[3], ref[3]) and torch.equal(other[4], ref[4])
 
 
-def test_logits_exist_one_chunk_at_a_time_and_are_recomputed_in_backward() -> None:
+class _Matmuls(TorchDispatchMode):
+    """The output shapes of every matmul run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_logits_exist_one_chunk_at_a_time_and_a_frozen_head_runs_two_matmuls_per_chunk() -> None:
     hidden, labels, mask, lm_head = _problem(0)
-    rows: list[int] = []
-    lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    lm_head.requires_grad_(False)
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=4)
-    forward_calls = len(rows)
-    total = int(out.count.sum())
-    assert forward_calls == math.ceil(total / 4) and max(rows) <= 4
-    out.loss.backward()
-    assert len(rows) == 2 * forward_calls  # checkpointing: logits recomputed, never stored
+    with _Matmuls() as forward:
+        out = block_loss(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=4)
+    chunks = math.ceil(int(out.count.sum()) / 4)
+    logits = [s for s in forward.shapes if s[-1] == 50]
+    assert len(logits) == chunks and max(s[0] for s in logits) <= 4  # [<=4, V]: one chunk at a time
+    assert len(forward.shapes) == 2 * chunks  # the logits and the input gradient; nothing else
+    with _Matmuls() as backward:
+        out.loss.backward()
+    assert backward.shapes == []  # no recomputation: the backward scales the saved gradient
+    with torch.no_grad(), _Matmuls() as no_grad:
+        block_loss(h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=4)
+    assert len(no_grad.shapes) == chunks  # no gradient work without grad mode
 
 
 def test_tau_from_accuracy() -> None:
