@@ -28,7 +28,14 @@ from training.config import RunConfig, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
-from training.model.target import load_tokenizer, model_source, num_layers, resolve_device, target_forward
+from training.model.target import (
+    HiddenCache,
+    load_tokenizer,
+    model_source,
+    num_layers,
+    resolve_device,
+    target_forward,
+)
 from training.run import core
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.eval import evaluate_acceptance
@@ -50,6 +57,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self.eval_only = eval_only
+        self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         # checkpoints written in the background: training goes on while one is written
         self.checkpoints = CheckpointWriter(self.run_dir, config.checkpoint.keep)
         core.set_threads(config)
@@ -82,7 +90,7 @@ class Trainer:
         self._phase("load_data")
         folder, tok_dir = model_source(cfg)
         self.tokenizer = load_tokenizer(tok_dir)
-        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE)
+        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE, print0)
         if not quiet_data:
             core.announce_buckets(self.data, self.events, print0)
 
@@ -165,7 +173,10 @@ class Trainer:
     def train_step(self, batch: Batch) -> core.StepResult:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         mask = batch.loss_mask.to(self.device, non_blocking=True)
-        hidden = target_forward(self.target, ids, self.layer_ids)
+        if self.hidden_cache is not None:
+            hidden = self.hidden_cache.forward(self.target, ids, batch.lengths, self.layer_ids)
+        else:
+            hidden = target_forward(self.target, ids, self.layer_ids)
         return self.drafter_step(
             ids, mask, hidden, core.batch_anchors(self.config, mask, batch.lengths, batch.position)
         )
