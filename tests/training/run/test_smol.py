@@ -35,6 +35,7 @@ reference_logits = _export_ref.reference_logits
 # Short but real: the conversion, regeneration, training and eval of smol-cpu, on fewer prompts
 # and steps. 120 steps are enough for the drafter to hit the first draft position now and then.
 OVERRIDES = [
+    "--drafter.num_anchors=16",
     "--data.regen_prompts=40",
     "--data.regen_max_new_tokens=64",
     "--data.eval_prompts=4",
