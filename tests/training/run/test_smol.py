@@ -53,7 +53,7 @@ def smol_run(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     run_dir = tmp_path_factory.mktemp("smol") / "run"
     env = {**os.environ, "FLEET_TRAINING_CACHE": str(tiny_cache), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "training", "train", "--config", "smol-cpu", "--run-dir", str(run_dir)]
-    done = subprocess.run([*cmd, *OVERRIDES], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([*cmd, *OVERRIDES], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
