@@ -64,7 +64,10 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _crop(cache, length: int) -> None:
-    cache.crop(length)
+    """z-lab's ``_crop_to``: drop the cache's entries past ``length``."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
 
 
 @torch.no_grad()
