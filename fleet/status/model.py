@@ -188,7 +188,8 @@ class RunStatus:
     loss: float | None
     loss_trend: float | None  # relative change of the recent mean loss (-0.05 = 5% lower)
     tau: float | None
-    eval_tau: float | None
+    eval_tau: float | None  # the last eval's tau_mean (per round)
+    eval_tau_prompt: float | None  # its tau_prompt_mean (per prompt, as z-lab's benchmark reports it)
     tokens_per_s: float | None
     tokens_per_s_by_role: Mapping[str, float]
     eta_s: float | None
@@ -435,7 +436,7 @@ def build_status(
     step_rank: int | None = None
     checkpoint = None
     error = None
-    eval_tau = None
+    eval_tau = eval_tau_prompt = None
     targets: dict[int, TargetPath] = {}
     for ev in events:
         kind = ev["event"]
@@ -470,6 +471,7 @@ def build_status(
                 checkpoint_times.append(float(ev["seconds"]))
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
+            eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
         elif kind == "target" and isinstance(ev.get("kernels"), dict):
             kernels = {str(k): str(v) for k, v in ev["kernels"].items()}
             linear = _int(ev.get("linear_layers")) or 0
@@ -547,6 +549,7 @@ def build_status(
         loss_trend=loss_trend([_num(s.get("loss")) for s in steps]),
         tau=_num(last.get("tau")) if last else None,
         eval_tau=eval_tau,
+        eval_tau_prompt=eval_tau_prompt,
         tokens_per_s=sum(step_median.values()) if step_median else None,
         tokens_per_s_by_role=by_role,
         eta_s=eta_seconds(live_steps) if state not in ("finished", "stopped", "failed") else None,

@@ -140,6 +140,8 @@ def render(st: RunStatus, now: float | None = None) -> Group:
         trend = "" if st.loss_trend is None else f"  ({st.loss_trend * 100:+.1f}% recent)"
         info.add_row("loss", f"{_f(st.loss)}{trend}")
         tau = f"{_f(st.tau, '.3f')}" + (f"  eval {_f(st.eval_tau, '.3f')}" if st.eval_tau else "")
+        if st.eval_tau and st.eval_tau_prompt:
+            tau += f" per round, {_f(st.eval_tau_prompt, '.3f')} per prompt"
         info.add_row("tau", tau)
     if st.tokens_per_s is not None or st.tokens_per_s_by_role:
         roles = "  ".join(f"{r} {v:,.0f}" for r, v in sorted(st.tokens_per_s_by_role.items()))

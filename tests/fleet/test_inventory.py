@@ -150,7 +150,7 @@ def test_shipped_inventory_is_the_local_default() -> None:
     local = inv.targets["local"]
     assert local.is_local and local.gpus == 0 and local.env == "local-cpu"
     assert local.workdir == str(REPO / ".fleet" / "local")
-    assert (local.run.module, local.run.config) == ("training", "tiny-cpu")
+    assert (local.run.module, local.run.config) == ("training", "smol-cpu")
 
 
 def test_one_default_inventory_whatever_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,7 +134,7 @@ def test_transitions_through_a_whole_run() -> None:
         ev(7, "phase", phase="train"),
         step(8, 2),
         ev(9, "phase", phase="eval"),
-        ev(10, "eval", step=2, tau_mean=1.5, tau_hist=[0, 1], tau_estimate=1.7),
+        ev(10, "eval", step=2, tau_mean=1.5, tau_hist=[0, 1], tau_estimate=1.7, tau_prompt_mean=1.25),
         ev(11, "phase", phase="done"),
         ev(12, "done", steps=2, seconds=12.0),
     ]
@@ -156,7 +156,7 @@ def test_transitions_through_a_whole_run() -> None:
     ended = status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20))
     assert (ended.state, ended.exit_code, ended.eta_s) == ("finished", 0, None)
     assert ended.last_checkpoint is not None and ended.last_checkpoint.step == 1
-    assert ended.eval_tau == 1.5
+    assert (ended.eval_tau, ended.eval_tau_prompt) == (1.5, 1.25)
 
 
 def test_exit_codes_are_distinct_for_unhealthy_states() -> None:

@@ -15,7 +15,9 @@ from training.config import CONFIG_DIR, ConfigError, load_config, read_config, w
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "qwen3-8b-h200", "qwen3.6-27b-5p3", "qwen3-27b-random"])
+@pytest.mark.parametrize(
+    "name", ["tiny-cpu", "smol-cpu", "smol-h200", "qwen3-8b-h200", "qwen3.6-27b-5p3", "qwen3-27b-random"]
+)
 def test_shipped_configs_load(name: str) -> None:
     config = load_config(name)
     assert config.name == name

@@ -137,11 +137,16 @@ def model_source(config: RunConfig) -> tuple[str, str]:
     """(model folder, tokenizer folder) of a run config; the model folder is "" for ``random``.
 
     ``tiny`` builds its folder once (model + tokenizer, saved with save_pretrained) and then
-    is loaded like any other folder.
+    is loaded like any other folder; ``smol`` converts its GGUF once into such a folder.
     """
     from training.model.tinymodel import STAND_IN_TOKENIZER_FILES, build_tiny_model
 
     cache_dir = default_cache_dir(config.model.cache_dir)
+    if config.model.kind == "smol":
+        from training.model.smol import build_smol_model
+
+        folder = str(build_smol_model(cache_dir))
+        return folder, config.model.tokenizer_path or folder
     if config.model.kind == "tiny":
         folder = str(build_tiny_model(config.model, cache_dir, config.data.corpus_files))
         return folder, config.model.tokenizer_path or folder
@@ -303,3 +308,42 @@ def target_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequenc
     if last in captured and final_norm is not None:
         captured[last] = final_norm(captured[last])
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+class HiddenCache:
+    """Each training sequence's target hidden states, computed once and reused (``target.cache_hidden``).
+
+    SpecForge's offline mode computes the target's hidden states of the whole data set once and
+    trains on the stored features; here they are kept in memory (on the CPU) the first time a
+    sequence is in a batch, so the first epoch runs the target and every later one does not. A
+    sequence's hidden states depend on its own tokens only (causal attention, right padding:
+    ``target_forward``), so a row keyed by its tokens gets the same features in any batch; the
+    padding positions, which no anchor, label or context reads, are zeros.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, torch.Tensor] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def forward(
+        self, model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """``target_forward`` of the batch, the target run only on the rows not seen before."""
+        keys = [input_ids[r, : int(n)].cpu().numpy().tobytes() for r, n in enumerate(lengths.tolist())]
+        missing = [r for r, key in enumerate(keys) if key not in self.rows]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            width = int(max(int(lengths[r]) for r in missing))
+            fresh = target_forward(model, input_ids[missing, :width], layer_ids)
+            for i, r in enumerate(missing):
+                self.rows[keys[r]] = fresh[i, : int(lengths[r])].to("cpu", copy=True)
+        features = next(iter(self.rows.values())).shape[-1]
+        out = torch.zeros(
+            (*input_ids.shape, features), dtype=self.rows[keys[0]].dtype, device=input_ids.device
+        )
+        for r, key in enumerate(keys):
+            row = self.rows[key]
+            out[r, : row.shape[0]] = row.to(input_ids.device)
+        return out

@@ -59,6 +59,9 @@ from training.model.target import (
     describe_layers,
     layer_types,
     load_model,
+    model_source,
+    resolve_device,
+    resolve_dtype,
     text_config,
 )
 from training.run.checkpoint import (
@@ -422,15 +425,42 @@ def data_cache_dir(config: RunConfig, default: Path) -> Path:
     return Path(shared) if shared else default
 
 
-def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path) -> TrainData:
+def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Path:
+    """The JSONL of ``data.regenerate``: shipped prompts, the target's greedy replies
+    (``training.data.regen``), generated once per (model, prompts, settings) into the cache root."""
+    from training.data.regen import regenerated_data
+
+    folder, _tok_dir = model_source(config)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
+    try:
+        return regenerated_data(
+            default_cache_dir(config.model.cache_dir),
+            model_id,
+            lambda: (load_model(config, folder), tokenizer),
+            count=config.data.regen_prompts,
+            max_new_tokens=config.data.regen_max_new_tokens,
+            batch_size=config.data.regen_batch_size,
+            dtype=f"{device.type}-{dtype}",
+            echo=echo,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"config key {exc}") from None
+
+
+def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo: Echo = print) -> TrainData:
     """The run's tokenized data (cached in ``data_cache_dir``) with its bucket planner."""
+    data = config.data
+    if data.regenerate and not data.path:
+        data = replace(data, path=str(regenerate_data(config, tokenizer, echo)))
     tokenized = load_tokenized(
-        config.data,
+        data,
         tokenizer,
         default_cache_dir(config.model.cache_dir),
         data_cache_dir(config, default_cache),
     )
-    return TrainData(tokenized, config.data)
+    return TrainData(tokenized, data)
 
 
 def emit_run_start(

@@ -29,6 +29,7 @@ from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
 from training.model.target import (
+    HiddenCache,
     is_compiled,
     load_tokenizer,
     model_source,
@@ -57,6 +58,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self.eval_only = eval_only
+        self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         # checkpoints written in the background: training goes on while one is written
         self.checkpoints = CheckpointWriter(self.run_dir, config.checkpoint.keep)
         core.set_threads(config)
@@ -89,7 +91,7 @@ class Trainer:
         self._phase("load_data")
         folder, tok_dir = model_source(cfg)
         self.tokenizer = load_tokenizer(tok_dir)
-        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE)
+        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE, print0)
         if not quiet_data:
             core.announce_buckets(self.data, self.events, print0)
 
@@ -177,7 +179,10 @@ class Trainer:
         # wait for the target forward queued before it, and the drafter step could not be queued
         # meanwhile.
         anchors = core.batch_anchors(self.config, batch.loss_mask, batch.lengths, batch.position)
-        hidden = target_forward(self.target, ids, self.layer_ids)
+        if self.hidden_cache is not None:
+            hidden = self.hidden_cache.forward(self.target, ids, batch.lengths, self.layer_ids)
+        else:
+            hidden = target_forward(self.target, ids, self.layer_ids)
         return self.drafter_step(ids, mask, hidden, anchors.to(self.device, non_blocking=True))
 
     def drafter_step(

