@@ -412,3 +412,11 @@ def require_other_pythons() -> dict[str, str]:
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
     return found
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` for a child the test interrupts with SIGINT, as Ctrl-C in a terminal would: the
+    default SIGINT disposition, whatever the test process inherited (a non-interactive shell starts a
+    background job, and so everything under it, with SIGINT ignored, and Python then never raises
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -424,6 +424,7 @@ def test_logs_follow_streams_and_stops_on_ctrl_c(remote_fleet: RemoteFleet) -> N
     follow = subprocess.Popen(
         [str(helpers_module(fleet).FAB), "logs", "-n", "1", "--follow"], cwd=helpers_module(fleet).REPO,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=testkit.ctrl_c_reaches_it,
     )  # fmt: skip
     try:
         seen = read_lines(follow, 3)  # new lines keep arriving

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import pytest
-from testkit import wait_for
+from testkit import ctrl_c_reaches_it, wait_for
 
 import training
 from fleet import deploy as d
@@ -390,6 +390,7 @@ python = {json.dumps(sys.executable)}
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=ctrl_c_reaches_it,
     )
     try:
         assert follow.stdout is not None
