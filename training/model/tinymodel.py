@@ -265,10 +265,17 @@ def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int) ->
         net = _tiny_network(model, len(tokenizer), tokenizer.eos_token_id)
     finally:
         torch.random.set_rng_state(generator_state)
+    return save_model_folder(folder, net, tokenizer)
+
+
+def save_model_folder(folder: Path, model: Any, tokenizer: Any) -> Path:
+    """Save a model and its tokenizer as ``folder`` atomically (a temp dir renamed into place): a
+    reader sees a whole folder or none; another process that built the same folder first wins."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    net.save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(folder)
