@@ -1,4 +1,4 @@
-"""Each role's speed on its own, before and after this round's changes, with MFU from the FLOP model.
+"""Each role's speed on its own, compiled and not, with MFU from the FLOP model.
 
     # on one H200, cold compile included (~5-7 min): the 1+1 shape (qwen3-8b-h200, 4 x 4096)
     FLEET_COMPILE_CACHE=/tmp/rb-cache python benchmarks/role_bench.py --config qwen3-8b-h200 \\
@@ -13,10 +13,9 @@ Builds the run's target and drafter on one device as the split probe does (``Tra
   tokens at the longest bucket's shape (``--batch`` x the bucket's padded length): eager, then
   compiled (``compile_target``; its first call, the cold compile, is reported on its own);
 - the drafter step (``drafter_step``: forward, backward, clipping, AdamW) on a real batch of that
-  bucket and the compiled target's hidden states: the current code, then ``previous``: the
-  attention, MLP and loss as they were before (the block's k/v projected from one [context ;
-  block] concatenation, autocast casting each projection's input; each loss chunk under
-  activation checkpointing, recomputing the lm_head), patched in for the comparison.
+  bucket and the compiled target's hidden states: with the run's compiled regions (the code
+  between the attention kernels and the loss's softmax, ``DFlashDrafter.compile_regions``), then
+  with those regions eager (flex attention compiled either way: the drafter before the regions).
 
 MFU from ``training.model.flops`` (the target's forward on the batch's tokens; the drafter step
 from the batch's own anchors and labels), against the bf16 8192^3 matmul rate measured here and
@@ -34,79 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-
-
-def previous_linear_cross_entropy(hidden: Any, lm_head: Any, labels: Any, row_weights: Any, chunk_size: int):
-    """The loss chunks before the gradient moved into the forward: F.cross_entropy on float32
-    logits, each chunk under non-reentrant activation checkpointing (the lm_head recomputed)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
-
-    def chunk_loss(h, y, w, head):
-        logits = head(h.to(head.weight.dtype)).float()
-        return (F.cross_entropy(logits, y, reduction="none") * w).sum(), logits.argmax(dim=-1) == y
-
-    total = hidden.new_zeros((), dtype=torch.float32)
-    flags = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        stop = min(start + chunk_size, hidden.shape[0])
-        args = (hidden[start:stop], labels[start:stop], row_weights[start:stop], lm_head)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            part, corr = checkpoint(chunk_loss, *args, use_reentrant=False)
-        else:
-            part, corr = chunk_loss(*args)
-        total = total + part
-        flags.append(corr)
-    return total, torch.cat(flags)
-
-
-def previous_attention_forward(self, x, ctx, rope_q, rope_kv, attend):
-    """``DrafterAttention.forward`` before the k/v projections were split."""
-    import torch
-
-    from training.model.drafter import _apply_rope
-
-    b, q_len, _ = x.shape
-    q = self.q_norm(self._heads(self.q_proj(x), self.heads)).transpose(1, 2)
-    kv_in = torch.cat([ctx, x], dim=1)
-    k = self.k_norm(self._heads(self.k_proj(kv_in), self.kv_heads)).transpose(1, 2)
-    v = self._heads(self.v_proj(kv_in), self.kv_heads).transpose(1, 2)
-    q = _apply_rope(q, *rope_q)
-    k = _apply_rope(k, *rope_kv)
-    out = attend(q, k, v)
-    return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
-
-
-def previous_mlp_forward(self, x):
-    """``DrafterMLP.forward`` before its input was cast once."""
-    import torch.nn.functional as F
-
-    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-@contextmanager
-def previous_code() -> Iterator[None]:
-    """The drafter's attention, MLP and loss as they were before, for the ``previous`` timing."""
-    from training.model import loss
-    from training.model.drafter import DrafterAttention, DrafterMLP
-
-    saved = (loss.linear_cross_entropy, DrafterAttention.forward, DrafterMLP.forward)
-    loss.linear_cross_entropy = previous_linear_cross_entropy
-    DrafterAttention.forward = previous_attention_forward
-    DrafterMLP.forward = previous_mlp_forward
-    try:
-        yield
-    finally:
-        loss.linear_cross_entropy, DrafterAttention.forward, DrafterMLP.forward = saved
 
 
 def timed(fn: Callable[[], Any], iters: int, sync: Callable[[], None]) -> list[float]:
@@ -219,24 +152,23 @@ def main() -> int:
         )
         print(f"target forward compiled: first call (cold compile) {cold:.1f}s", flush=True)
 
-        # ---- drafter step: current, then the previous attention and loss
+        # ---- drafter step: compiled regions (the run's), then eager regions
         hidden = target_forward(trainer.target, ids, trainer.layer_ids)
         _, label_mask = block_labels(ids, mask, anchors, config.drafter.block_size)
         stats = AnchorStats.from_tensors(anchors, label_mask, trainer.drafter.windows)
         d_flops = drafter_step_flops(shapes.drafter, length, stats)["total"]
         step = lambda: trainer.drafter_step(ids, mask, hidden, anchors)  # noqa: E731
-        started = time.perf_counter()
-        timed(step, 1, sync)
-        first = time.perf_counter() - started
-        timed(step, args.warmup, sync)
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0
-        report("drafter step", timed(step, args.iters, sync), d_flops, first_call_s=first, peak_mem_gib=mem)
-        with previous_code():
+        mode = trainer.drafter.compile_mode
+        for name, regions in (("drafter step", mode), ("drafter step eager regions", None)):
+            trainer.drafter.compile_mode = regions
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(device)
+            started = time.perf_counter()
+            timed(step, 1, sync)
+            first = time.perf_counter() - started
             timed(step, args.warmup, sync)
             mem = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0
-            report("drafter step previous", timed(step, args.iters, sync), d_flops, peak_mem_gib=mem)
+            report(name, timed(step, args.iters, sync), d_flops, first_call_s=first, peak_mem_gib=mem)
         summary = {
             "bench": "role_bench",
             "config": args.config,
@@ -255,7 +187,7 @@ def main() -> int:
             "figures": figures,
             "target_speedup": figures["target forward eager"]["ms"]
             / figures["target forward compiled"]["ms"],
-            "drafter_speedup": figures["drafter step previous"]["ms"] / figures["drafter step"]["ms"],
+            "drafter_speedup": figures["drafter step eager regions"]["ms"] / figures["drafter step"]["ms"],
         }
     finally:
         trainer.close()

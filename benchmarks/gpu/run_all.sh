@@ -67,10 +67,11 @@ profile() {  # torch.profiler top-20 kernels per role (target forward, drafter s
         --warmup 3 --steps 3 --out "$OUT/profile" --data.num_buckets=1 --data.corpus_files=300 \
         | tail -1 | tee "$OUT/profile.json"
 }
-roles() {  # each role alone on one GPU: target forward eager vs compiled, drafter step now vs previous, with MFU
-    # one call of ~5-7 min on an H200, the cold compiles (target layer, drafter flex) included: a fresh cache dir
-    rm -rf /tmp/rb-cache
-    FLEET_COMPILE_CACHE=/tmp/rb-cache timeout -k 20 "${ROLES_LIMIT_S:-560}" python3 benchmarks/role_bench.py \
+roles() {  # each role alone on one GPU: target forward eager vs compiled, drafter step with compiled vs eager regions, with MFU
+    # one call of ~5-7 min on an H200, the cold compiles (target layer, drafter flex) included: a fresh cache dir,
+    # or ROLES_CACHE's as it is (e.g. /tmp/cb/cold, which topology and multinode then reuse)
+    local cache="${ROLES_CACHE:-/tmp/rb-cache}"; [ -n "${ROLES_CACHE:-}" ] || rm -rf "$cache"
+    FLEET_COMPILE_CACHE="$cache" timeout -k 20 "${ROLES_LIMIT_S:-560}" python3 benchmarks/role_bench.py \
         --config qwen3-8b-h200 --data.num_buckets=1 --data.corpus_files=300 | tee "$OUT/roles.log" \
         | tail -1 > "$OUT/roles.json"
 }

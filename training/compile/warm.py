@@ -340,7 +340,7 @@ def prewarm(
 
 def set_compile_guards(config: RunConfig, drafter: DFlashDrafter, num_shapes: int) -> int:
     """T2's recompile limit for ``num_shapes`` x the drafter's mask variants (or the config's)."""
-    limit = attention.configure_compile(num_shapes, len(drafter.variants()))
+    limit = attention.configure_compile(num_shapes, drafter.graphs_per_shape())
     if config.compile.recompile_limit > 0:
         torch._dynamo.config.recompile_limit = config.compile.recompile_limit
         limit = config.compile.recompile_limit

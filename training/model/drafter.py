@@ -12,8 +12,8 @@ Interface (the contract with the trainer; keep it):
       K = min(num_anchors, T - 1): the same number of anchors in every row of every bucket
     block_labels(input_ids, loss_mask, anchors, block_size) -> (labels, label_mask)  [B, K*bs]
     DFlashDrafter.block_hidden(input_ids, target_hidden, anchors) -> [B, K*bs, H]
-    DFlashDrafter.variants() -> the attention windows in use (None = full): pass
-      len(variants()) to attention.configure_compile(num_buckets, variants)
+    DFlashDrafter.variants() -> the attention windows in use (None = full)
+    DFlashDrafter.graphs_per_shape() -> pass it to attention.configure_compile(num_buckets, n)
 
 Beyond that interface: DrafterConfig also has
 ``num_target_layers`` / ``target_layer_ids`` (which target layers; () = DFlash's rule),
@@ -245,15 +245,10 @@ class DrafterAttention(nn.Module):
         b, length, _ = x.shape
         return x.view(b, length, n, self.head_dim)
 
-    def forward(
-        self,
-        x: Tensor,
-        ctx: Tensor,
-        rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
-        attend: Attend,
-    ) -> Tensor:
-        b, q_len, _ = x.shape
+    def project(
+        self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, Hq, Q, D], k and v [B, Hkv, T+Q, D] of the block input ``x`` over [context ; block]."""
         # Keys/values of [context ; block]: projected apart and joined after the projection (KV
         # width, not the hidden width: no [B, T+Q, H] concatenation), from one autocast copy of
         # the block's input (autocast would cast it once per projection); ``ctx`` comes cast once
@@ -264,10 +259,22 @@ class DrafterAttention(nn.Module):
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1)
         k = self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2)
         v = self._heads(v, self.kv_heads).transpose(1, 2)
-        q = _apply_rope(q, *rope_q)
-        k = _apply_rope(k, *rope_kv)
-        out = attend(q, k, v)  # [B, Hq, Q, D]
+        return _apply_rope(q, *rope_q), _apply_rope(k, *rope_kv), v
+
+    def output(self, out: Tensor) -> Tensor:
+        """The attention output [B, Hq, Q, D] -> [B, Q, hidden]."""
+        b, _, q_len, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attend: Attend,
+    ) -> Tensor:
+        return self.output(attend(*self.project(x, ctx, rope_q, rope_kv)))
 
 
 class DrafterMLP(nn.Module):
@@ -298,8 +305,67 @@ class DrafterLayer(nn.Module):
         rope_kv: tuple[Tensor, Tensor],
         attend: Attend,
     ) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_kv, attend)
+        return self.finish(h, attend(*self.attention_inputs(h, ctx, rope_q, rope_kv)))
+
+    def attention_inputs(
+        self, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Everything before the attention kernel: pre-norm, projections, q/k norms, RoPE."""
+        return self.self_attn.project(self.input_layernorm(h), ctx, rope_q, rope_kv)
+
+    def finish(self, h: Tensor, out: Tensor) -> Tensor:
+        """Everything after it: output projection, residual, post-norm, MLP, residual."""
+        h = h + self.self_attn.output(out)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _layer_inputs(
+    layer: DrafterLayer, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    return DrafterLayer.attention_inputs(layer, h, ctx, rope_q, rope_kv)
+
+
+def _layer_finish(layer: DrafterLayer, h: Tensor, out: Tensor) -> Tensor:
+    return DrafterLayer.finish(layer, h, out)
+
+
+def _fuse(fc: nn.Linear, norm: RMSNorm, target_hidden: Tensor) -> Tensor:
+    if not torch.is_autocast_enabled(target_hidden.device.type):
+        # no autocast: match the weight (autocast casts inside the matmul, no fp32 copy)
+        target_hidden = target_hidden.to(fc.weight.dtype)
+    return norm(fc(target_hidden))
+
+
+def _final_norm(norm: RMSNorm, h: Tensor) -> Tensor:
+    return RMSNorm.forward(norm, h)
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """The training forward's code between the attention kernels. Plain functions of (module,
+    tensors), not bound methods, so that one compiled graph per shape serves every layer (the
+    weights are graph inputs), as the compiled target's decoder layer does."""
+
+    fuse: Any = _fuse
+    layer_inputs: Any = _layer_inputs
+    layer_finish: Any = _layer_finish
+    final_norm: Any = _final_norm
+
+
+_EAGER = _Regions()
+_COMPILED_REGIONS: dict[str, _Regions] = {}  # per compile mode, built once per process
+
+
+def _regions(mode: str | None) -> _Regions:
+    """Eager (``mode`` None) or ``torch.compile``d (``dynamic=False``: one graph per bucket shape)."""
+    if mode is None:
+        return _EAGER
+    if mode not in _COMPILED_REGIONS:
+        kwargs: dict[str, Any] = {"dynamic": False, "mode": None if mode == "default" else mode}
+        _COMPILED_REGIONS[mode] = _Regions(
+            **{name: torch.compile(getattr(_EAGER, name), **kwargs) for name in _Regions.__dataclass_fields__}
+        )
+    return _COMPILED_REGIONS[mode]
 
 
 def drafter_layout(target_config: Any, cfg: DrafterConfig | None = None) -> dict[str, int]:
@@ -368,6 +434,9 @@ class DFlashDrafter(nn.Module):
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
         for p in (*embed_tokens.parameters(), *lm_head.parameters()):
             p.requires_grad_(False)
+        # The training forward compiled around the attention kernels (``compile_regions``); a str,
+        # not the compiled callables, so the module stays picklable and copyable.
+        self.compile_mode: str | None = None
         self.reset_parameters()
 
     @property
@@ -386,12 +455,31 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def compile_regions(self, mode: str = "default") -> None:
+        """Compile the training forward's code between the attention kernels (the fusion of the
+        target's hidden states, each layer's norms, projections, RoPE and MLP, the final norm) and
+        the loss's softmax, one graph per bucket shape shared by every layer; what a run that
+        compiles does (``training.run.core.build_drafter``). ``propose`` (eval: a context that
+        grows every round) stays eager. Flex attention is compiled either way."""
+        self.compile_mode = mode
+
+    def graphs_per_shape(self) -> int:
+        """The most graphs one compiled function gets per bucket shape: one per attention window
+        (flex, ``variants``); two for the compiled regions (the first layer's input needs no
+        gradient, the later layers' do). For ``attention.configure_compile``."""
+        return max(len(self.variants()), 2 if self.compile_mode is not None else 1)
+
     def variants(self) -> list[int | None]:
         """The distinct attention windows (None = full): one BlockMask / compiled shape each."""
         return sorted(set(self.windows), key=lambda w: -1 if w is None else w)
 
     def _blocks(
-        self, ctx: Tensor, first_tokens: Tensor, anchors: Tensor, attends: dict[int | None, Attend]
+        self,
+        ctx: Tensor,
+        first_tokens: Tensor,
+        anchors: Tensor,
+        attends: dict[int | None, Attend],
+        regions: _Regions = _EAGER,
     ) -> Tensor:
         """Run the layers: ctx [B, T, H] fused, first_tokens/anchors [B, K] -> hidden [B, K*bs, H]."""
         bsz, k = first_tokens.shape
@@ -408,15 +496,13 @@ class DFlashDrafter(nn.Module):
         rope_kv = _rope(kv_pos, self.head_dim, self.cfg.rope_theta)
         ctx = _autocast_copy(ctx)  # every layer's k/v projections read it: one cast per step
         for layer, window in zip(self.layers, self.windows, strict=True):
-            h = layer(h, ctx, rope_q, rope_kv, attends[window])
-        return self.norm(h)
+            q, k, v = regions.layer_inputs(layer, h, ctx, rope_q, rope_kv)
+            h = regions.layer_finish(layer, h, attends[window](q, k, v))
+        return regions.final_norm(self.norm, h)
 
-    def fuse(self, target_hidden: Tensor) -> Tensor:
+    def fuse(self, target_hidden: Tensor, regions: _Regions = _EAGER) -> Tensor:
         """[B, T, n*H] -> the fused context [B, T, H]."""
-        if not torch.is_autocast_enabled(target_hidden.device.type):
-            # no autocast: match the weight (autocast casts inside the matmul, no fp32 copy)
-            target_hidden = target_hidden.to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(target_hidden))
+        return regions.fuse(self.fc, self.hidden_norm, target_hidden)
 
     def block_hidden(self, input_ids: Tensor, target_hidden: Tensor, anchors: Tensor) -> Tensor:
         """The final (normed) hidden states of every block: [B, K*block_size, H], block-major."""
@@ -429,7 +515,8 @@ class DFlashDrafter(nn.Module):
             for w in self.variants()
         }
         first_tokens = input_ids.gather(1, anchors.clamp(min=0))
-        return self._blocks(self.fuse(target_hidden), first_tokens, anchors, attends)
+        regions = _regions(self.compile_mode)
+        return self._blocks(self.fuse(target_hidden, regions), first_tokens, anchors, attends, regions)
 
     def forward(
         self, input_ids: Tensor, target_hidden: Tensor, loss_mask: Tensor, anchors: Tensor
@@ -446,6 +533,7 @@ class DFlashDrafter(nn.Module):
             block_size=cfg.block_size,
             gamma=cfg.gamma,
             chunk_size=cfg.loss_chunk_size,
+            compiled=self.compile_mode,
         )
         acc = result.acc_per_offset
         return DraftOutput(

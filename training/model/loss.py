@@ -101,6 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         row_weights: Tensor,
         chunk_size: int,
         want_grad: bool,
+        compiled: str | None,
     ) -> tuple[Tensor, Tensor]:
         need_h = want_grad and ctx.needs_input_grad[0]
         need_w = want_grad and ctx.needs_input_grad[1]
@@ -110,11 +111,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        # The compiled softmax serves the full chunks (one shape: no recompiles as the number of
+        # labelled rows changes); the last, shorter chunk and a gradient of the weight or bias
+        # (not the drafter's frozen lm_head) take the eager path below.
+        fused = _compiled_chunk(compiled) if grad_w is None and grad_b is None else None
         for start in range(0, hidden.shape[0], chunk_size):
             stop = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:stop].to(weight.dtype)
             y = labels[start:stop, None]
             w = row_weights[start:stop, None].float()
+            if fused is not None and stop - start == chunk_size:
+                part, correct[start:stop], grad_logits = fused(F.linear(h, weight, bias), y, w, need_h)
+                total += part
+                if grad_h is not None:
+                    grad_h[start:stop] = grad_logits @ weight
+                continue
             logits = F.linear(h, weight, bias).float()  # [c, V]: the one float32 copy
             correct[start:stop] = logits.argmax(dim=-1) == y[:, 0]
             picked = logits.gather(1, y)
@@ -145,19 +156,62 @@ class _LinearCrossEntropy(torch.autograd.Function):
             (g * grad_total).to(dtype) if present else None
             for g, present, dtype in zip(saved, ctx.present, ctx.dtypes, strict=True)
         ]
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def softmax_chunk(
+    logits: Tensor, labels: Tensor, row_weights: Tensor, want_grad: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk of ``_LinearCrossEntropy`` after its lm_head matmul, written to be compiled:
+    (``sum_i w_i * CE``, ``argmax == label`` [c], ``w * (softmax - onehot)`` in the logits' dtype
+    or None). logits [c, V], labels [c, 1], row_weights [c, 1] float32. The float32 logits, the
+    exponentials and the gradient are never all in memory: the compiler fuses them into a
+    reduction pass and a pointwise pass over the logits."""
+    lf = logits.float()
+    correct = lf.argmax(dim=-1) == labels[:, 0]
+    picked = lf.gather(1, labels)
+    top = lf.amax(dim=-1, keepdim=True)
+    exp = (lf - top).exp()
+    norm = exp.sum(dim=-1, keepdim=True)
+    total = ((top + norm.log() - picked) * row_weights).sum()
+    if not want_grad:
+        return total, correct, None
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == labels
+    grad = (exp / norm - onehot.to(lf.dtype)) * row_weights
+    return total, correct, grad.to(logits.dtype)
+
+
+_COMPILED_CHUNK: dict[str, Any] = {}  # per compile mode, built once per process
+
+
+def _compiled_chunk(mode: str | None) -> Any:
+    """``softmax_chunk`` compiled (``dynamic=False``: the chunk's one shape), None when eager."""
+    if mode is None:
+        return None
+    if mode not in _COMPILED_CHUNK:
+        _COMPILED_CHUNK[mode] = torch.compile(
+            softmax_chunk, dynamic=False, mode=None if mode == "default" else mode
+        )
+    return _COMPILED_CHUNK[mode]
 
 
 def linear_cross_entropy(
-    hidden: Tensor, lm_head: nn.Module, labels: Tensor, row_weights: Tensor, chunk_size: int
+    hidden: Tensor,
+    lm_head: nn.Module,
+    labels: Tensor,
+    row_weights: Tensor,
+    chunk_size: int,
+    compiled: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(``sum_i w_i * CE(lm_head(h_i), y_i)`` float32 scalar, [M] bool ``argmax == y``) of rows
-    ``hidden`` [M, H], ``chunk_size`` rows at a time (``_LinearCrossEntropy``)."""
+    ``hidden`` [M, H], ``chunk_size`` rows at a time (``_LinearCrossEntropy``); ``compiled``: a
+    compile mode for the full chunks' softmax (``softmax_chunk``), None = eager."""
     weight = lm_head.weight
     bias = getattr(lm_head, "bias", None)
     inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
     want_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)  # not in eval/no_grad
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, row_weights, chunk_size, want_grad)
+    args = (hidden, weight, bias, labels, row_weights, chunk_size, want_grad, compiled)
+    return _LinearCrossEntropy.apply(*args)
 
 
 def block_loss(
@@ -169,6 +223,7 @@ def block_loss(
     block_size: int,
     gamma: float,
     chunk_size: int,
+    compiled: str | None = None,
 ) -> BlockLoss:
     """Weighted, chunked block CE.
 
@@ -192,7 +247,7 @@ def block_loss(
     if m == 0:
         zero = hidden.sum() * 0.0
         return BlockLoss(loss=zero, correct=torch.zeros_like(count), count=count)
-    total, correct_flags = linear_cross_entropy(flat_h, lm_head, flat_labels, flat_w, chunk_size)
+    total, correct_flags = linear_cross_entropy(flat_h, lm_head, flat_labels, flat_w, chunk_size, compiled)
     correct = torch.bincount(flat_off[correct_flags] - 1, minlength=block_size - 1)[: block_size - 1]
     loss = total / flat_w.sum()
     accepted, blocks = accept_lengths(mask, correct_flags, block_size)

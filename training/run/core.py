@@ -113,6 +113,8 @@ def build_drafter(
         raise ConfigError(f"config key {exc}") from None
     if config.drafter.init_from:
         load_export_into(drafter, Path(config.drafter.init_from))
+    if compiles(config, device):
+        drafter.compile_regions(config.compile.mode)
     return drafter.to(device)
 
 

@@ -333,13 +333,34 @@ def _previous_mlp_forward(self, x):
     return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _previous_blocks(self, ctx, first_tokens, anchors, attends, regions=None):
+    """``DFlashDrafter._blocks`` before the layers were split around the attention kernel: each
+    layer one module call (pre-norm attention and MLP with their residuals)."""
+    from training.model.drafter import _rope
+
+    bsz, k = first_tokens.shape
+    bs = self.cfg.block_size
+    ids = torch.full((bsz, k, bs), self.cfg.mask_token_id, dtype=torch.long)
+    ids[:, :, 0] = first_tokens
+    h = self.embed_tokens(ids.reshape(bsz, k * bs)).to(self.fc.weight.dtype)
+    q_pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(bs)).reshape(bsz, k * bs)
+    kv_pos = torch.cat([torch.arange(ctx.shape[1]).expand(bsz, -1), q_pos], dim=1)
+    rope_q = _rope(q_pos, self.head_dim, self.cfg.rope_theta)
+    rope_kv = _rope(kv_pos, self.head_dim, self.cfg.rope_theta)
+    for layer, window in zip(self.layers, self.windows, strict=True):
+        x = layer.input_layernorm(h)
+        h = h + layer.self_attn(x, ctx, rope_q, rope_kv, attends[window])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return self.norm(h)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_split_kv_projections_equal_the_previous_attention(
     autocast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Loss, accuracy, tau and every gradient of a training step equal the previous attention's and
     MLP's, in float32 and under bf16 autocast (the GPU's setting, here on the CPU: the same casts)."""
-    from training.model.drafter import DrafterAttention, DrafterMLP
+    from training.model.drafter import DFlashDrafter, DrafterAttention, DrafterMLP
 
     target = tiny_target()
     g = torch.Generator().manual_seed(4)
@@ -350,6 +371,7 @@ def test_split_kv_projections_equal_the_previous_attention(
         if previous:
             monkeypatch.setattr(DrafterAttention, "forward", _previous_attention_forward)
             monkeypatch.setattr(DrafterMLP, "forward", _previous_mlp_forward)
+            monkeypatch.setattr(DFlashDrafter, "_blocks", _previous_blocks)
         drafter = tiny_drafter(target, attention_backend="blockwise")
         hidden = hidden_of(target, ids, drafter.target_layer_ids)
         anchors = sample_anchors(mask, torch.tensor([24, 24]), 8, torch.Generator().manual_seed(5))
@@ -365,3 +387,33 @@ def test_split_kv_projections_equal_the_previous_attention(
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compiled_regions_give_the_eager_loss_accuracy_and_gradients() -> None:
+    """``compile_regions``: the code between the attention kernels and the loss's softmax
+    compiled (what a run that compiles uses) gives the eager drafter's loss, counts and every
+    gradient; the loss's chunk size leaves full chunks (compiled) and a shorter last one (eager)."""
+    target = tiny_target()
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 200, (2, 24), generator=g)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    anchors = sample_anchors(mask, torch.tensor([24, 20]), 8, torch.Generator().manual_seed(7))
+    results = []
+    for compiled in (False, True):
+        drafter = tiny_drafter(target, attention_backend="blockwise", loss_chunk_size=10)
+        if compiled:
+            drafter.compile_regions()
+        hidden = hidden_of(target, ids, drafter.target_layer_ids)
+        out = drafter(ids, hidden, mask, anchors)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+        results.append((out.loss.detach(), grads, out.num_tokens, out.correct_per_offset.tolist()))
+    (loss, grads, n, correct), (ref_loss, ref_grads, ref_n, ref_correct) = results[1], results[0]
+    assert n == ref_n and n % 10 != 0 and n > 10  # full chunks and a shorter last one
+    assert correct == ref_correct
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(
+            grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )

@@ -212,6 +212,31 @@ def test_logits_exist_one_chunk_at_a_time_and_a_frozen_head_runs_two_matmuls_per
     assert len(no_grad.shapes) == chunks  # no gradient work without grad mode
 
 
+def test_the_fused_softmax_chunk_equals_cross_entropy_and_its_autograd_gradient() -> None:
+    """``softmax_chunk`` (the loss chunk written for the compiler) against F.cross_entropy and the
+    gradient autograd gives it, in float32 and from bf16 logits."""
+    from training.model.loss import softmax_chunk
+
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in (
+        (torch.float32, {"rtol": 1e-5, "atol": 1e-6}),
+        (torch.bfloat16, {"rtol": 1e-2, "atol": 1e-3}),
+    ):
+        logits = (torch.randn(9, 50, generator=g) * 4).to(dtype)
+        labels = torch.randint(0, 50, (9, 1), generator=g)
+        weights = torch.rand(9, 1, generator=g)
+        total, correct, grad = softmax_chunk(logits, labels, weights, True)
+        ref_logits = logits.float().requires_grad_(True)
+        ce = F.cross_entropy(ref_logits, labels[:, 0], reduction="none")
+        ref_total = (ce * weights[:, 0]).sum()
+        ref_total.backward()
+        torch.testing.assert_close(total, ref_total.detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(correct, ref_logits.argmax(dim=-1) == labels[:, 0])
+        assert grad is not None and grad.dtype == dtype
+        torch.testing.assert_close(grad.float(), ref_logits.grad, **tol)
+        assert softmax_chunk(logits, labels, weights, False)[2] is None
+
+
 def test_tau_from_accuracy() -> None:
     assert tau_from_accuracy([1.0, 1.0, 1.0]) == 4.0  # perfect drafter: tau = block size
     assert tau_from_accuracy([0.5, 0.5]) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
