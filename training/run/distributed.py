@@ -418,6 +418,8 @@ class DrafterWorker(Worker):
             if self.compile_reporter is not None:
                 self.compile_reporter.report(self.events)  # compile_cache: first step, then on change
             self.last_tau = result.tau
+            if self.ctx.index == 0 and not self.checkpoints.reserved:  # the optimizer's state exists now
+                self.checkpoints.reserve(self.checkpoint_state())
             now = time.monotonic()
             if self.step % cfg.train.log_every == 0 or self.step in (1, cfg.train.steps):
                 self._log_step(result, item, tokens / max(now - last, 1e-9))
@@ -487,7 +489,18 @@ class DrafterWorker(Worker):
     def checkpoint(self) -> None:
         if self.ctx.index != 0:
             return
-        state = core.checkpoint_state(
+        core.write_checkpoint(
+            self.run_dir,
+            self.step,
+            self.checkpoint_state(),
+            self.config.checkpoint.keep,
+            self.events,
+            _say,
+            self.checkpoints,
+        )
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return core.checkpoint_state(
             self.drafter,
             self.optimizer,
             self.scheduler,
@@ -496,9 +509,6 @@ class DrafterWorker(Worker):
             config=self.config,
             global_batches=self.step * self.ctx.topology.drafters,
             topology=str(self.ctx.topology),
-        )
-        core.write_checkpoint(
-            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, _say, self.checkpoints
         )
 
 

@@ -200,8 +200,8 @@ class Trainer:
             grad_clip=self.config.train.grad_clip,
         )
 
-    def checkpoint(self) -> None:
-        state = core.checkpoint_state(
+    def checkpoint_state(self) -> dict[str, Any]:
+        return core.checkpoint_state(
             self.drafter,
             self.optimizer,
             self.scheduler,
@@ -209,6 +209,9 @@ class Trainer:
             tau=self.last_tau,
             config=self.config,
         )
+
+    def checkpoint(self) -> None:
+        state = self.checkpoint_state()
         core.write_checkpoint(
             self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0, self.checkpoints
         )
@@ -283,6 +286,8 @@ class Trainer:
                 if self.compiled:
                     self.compile_reporter.report(self.events)  # first step, then on any new compile
                 self.last_tau = result.tau
+                if not self.checkpoints.reserved:  # the first step made the optimizer's state
+                    self.checkpoints.reserve(self.checkpoint_state())
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
                 self.report_checkpoints()

@@ -132,6 +132,39 @@ def test_background_save_writes_a_snapshot_atomically(
     assert not [p for p in checkpoint_dir(tmp_path).iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_reserved_buffers_are_the_ones_the_first_save_copies_into(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep=1)
+    state = {
+        "w": torch.arange(6.0, device="cuda"),
+        "opt": {"state": {0: {"m": torch.ones(3, device="cuda")}}},
+    }
+    writer.reserve(state)
+    assert writer.reserved
+    writer.save(1, state)
+    assert set(writer._buffers) == {("w",), ("opt", "state", 0, "m")}
+    assert all(b.is_pinned() for b in writer._buffers.values())
+    writer.wait()
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and torch.equal(loaded["w"], torch.arange(6.0))
+
+
+def test_reserve_then_save_writes_the_state_and_reserves_once(tmp_path: Path) -> None:
+    """``reserve`` (host buffers for the GPU tensors of a state, in the background) before the
+    first save: the save waits for it and writes the state; a second reserve does nothing. On a
+    machine without CUDA no tensor needs a pinned buffer; the test above checks that case."""
+    writer = CheckpointWriter(tmp_path, keep=1)
+    w = torch.arange(6.0)
+    assert not writer.reserved
+    writer.reserve({"w": w, "meta": {"n": 1}})
+    assert writer.reserved
+    writer.reserve({"w": w})  # once
+    writer.save(1, {"w": w, "meta": {"n": 1}})
+    (saved,) = writer.wait()
+    state = load_latest(tmp_path)
+    assert saved.step == 1 and state is not None and torch.equal(state["w"], w) and state["meta"] == {"n": 1}
+
+
 def test_background_save_keeps_the_rng_of_the_save_and_the_last_k(tmp_path: Path) -> None:
     writer = CheckpointWriter(tmp_path, keep=2)
     torch.manual_seed(9)
