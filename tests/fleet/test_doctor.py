@@ -142,6 +142,7 @@ def test_module_version_of_the_proprietary_and_the_open_kernel_module() -> None:
     assert doctor.parse_module_version(read("driver", "proc_version_proprietary.txt")) == "384.98"
     assert doctor.parse_module_version(read("driver", "proc_version_open.txt")) == "565.57.01"
     assert doctor.parse_module_version("cat: /proc/driver/nvidia/version: No such file or directory") is None
+    assert doctor.parse_module_version(read("driver", "proc_version_h200x2.txt")) == "580.159.04"  # no date
 
 
 def test_topology_and_p2p_matrices() -> None:
@@ -151,6 +152,9 @@ def test_topology_and_p2p_matrices() -> None:
     assert len(nv6) == 16 and nv6[(0, 3)] == nv6[(3, 2)] == "NV6" and nv6[(2, 2)] == "X"
     assert doctor.parse_gpu_matrix(read("nvidia-smi", "topo", "rtx5090x2_p2p_gns.txt"))[(0, 1)] == "GNS"
     assert doctor.parse_gpu_matrix(read("nvidia-smi", "topo", "rtx5090x2_p2p_ok.txt"))[(1, 0)] == "OK"
+    h200 = doctor.parse_gpu_matrix(read("nvidia-smi", "h200x2", "topo.txt"))  # underlined header
+    assert h200 == {(0, 0): "X", (0, 1): "NV18", (1, 0): "NV18", (1, 1): "X"}
+    assert doctor.parse_gpu_matrix(read("nvidia-smi", "h200x2", "p2p_r.txt"))[(0, 1)] == "OK"
     styled = "\x1b[4mGPU0\tGPU1\tCPU Affinity\x1b[0m\nGPU0\t X \tNV18\t0-47\nGPU1\tNV18\t X \t0-47\n"
     assert doctor.parse_gpu_matrix(styled)[(1, 0)] == "NV18"
 
