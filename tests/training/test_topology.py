@@ -464,3 +464,11 @@ def test_hybrid_target_in_a_topology_matches_single_process(tiny_cache: Path, tm
     targets = [e for e in events if e["event"] == "target"]
     assert [(e["rank"], e["role"], e["linear_layers"]) for e in targets] == [(0, "target", 6)]
     assert all(not validate_event(e) for e in events)
+
+
+def test_fill_ratio_is_real_over_padded_tokens_of_the_batches() -> None:
+    from training.run.plan import fill_ratio
+
+    # rows padded to their bucket's width: 6 real of 8, then 8 of 8, then 1 of 4
+    assert fill_ratio([(4, [4, 2]), (8, [8]), (4, [1])]) == (6 + 8 + 1) / (8 + 8 + 4)
+    assert fill_ratio([]) == 1.0

@@ -8,8 +8,12 @@ then predicts each split ``N+M``:
     throughput(N, M) = min(N * target_rate, M * drafter_rate * ddp_efficiency^(M>1))
 
 (the pipeline is bounded by its slower role; the credit backpressure keeps the faster one
-waiting, not queueing), and names the best split. ``--target-rate``/``--drafter-rate`` skip
-the probe (pure arithmetic). ``fab plan`` runs it on a fleet target.
+waiting, not queueing), and names the best split. The rates are real tokens per second over a
+whole epoch: the probe measures computed (padded) tokens per second, which is what a batch's
+time follows, and multiplies by the epoch's real / padded ratio (``fill_ratio`` over the epoch's
+planned batches), not by its own few batches' ratio, which can be far from it (4 batches of the
+qwen3-8b-h200 1+1 bucket held 14.7K real tokens each, a run of 39 steps 12.7K: a 16% too high rate).
+``--target-rate``/``--drafter-rate`` skip the probe (pure arithmetic). ``fab plan`` runs it on a fleet target.
 
     python -m training plan --config qwen3-8b-h200 --gpus 8 [--batches 4] [--json] [--section.key=v]
 """
@@ -22,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +35,7 @@ from training.config import ConfigError, TrainingError
 
 @dataclass(frozen=True)
 class Rates:
-    """Per-rank rates of one role, tokens/s (real tokens, padding not counted)."""
+    """Per-rank rates of one role, tokens/s (real tokens over an epoch, padding not counted)."""
 
     target_tokens_per_s: float
     drafter_tokens_per_s: float
@@ -38,6 +43,7 @@ class Rates:
     batches: int = 0
     tokens: int = 0
     target_fast_path: str = ""  # a hybrid target's linear attention: yes (kernels) | no (torch) | n/a
+    epoch_fill: float = 1.0  # the epoch's real / padded tokens (the rates' conversion, ``fill_ratio``)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,15 @@ def predict_splits(
             bottleneck = "target" if supply < demand else "drafter"
         splits.append(Split(n, m, rate, bottleneck, rate / supply, rate / demand))
     return splits
+
+
+def fill_ratio(batches: Iterable[tuple[int, Sequence[int]]]) -> float:
+    """Real / computed tokens of ``batches``, each (padded width, the rows' lengths) (pure)."""
+    real = padded = 0
+    for width, lengths in batches:
+        real += sum(int(n) for n in lengths)
+        padded += int(width) * len(lengths)
+    return real / padded if padded else 1.0
 
 
 def best_split(splits: list[Split]) -> Split:
@@ -138,7 +153,7 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
         warm_batches: dict[int, tuple] = {}
         timed_batches: list[tuple] = []
         t_target = 0.0
-        tokens = i = 0
+        tokens = computed = i = 0
         limit = warmup + 20 * buckets
         while len(timed_batches) < batches:
             batch = trainer.next_batch()
@@ -156,6 +171,7 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
                 continue
             t_target += time.perf_counter() - t0
             tokens += int(batch.lengths.sum())
+            computed += ids.numel()
             timed_batches.append(item)
 
         for layer in decoder_layers(trainer.target):
@@ -173,13 +189,21 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
             trainer.drafter_step(*item)
         sync()
         t_drafter = time.perf_counter() - t0
+        # The epoch's batches padded as the trainer pads them (its bucket's width when compiled).
+        planner = trainer.data.planner
+        lengths = planner.lengths
+        fill = fill_ratio(
+            (planner.padded_length(b) if trainer.compiled else int(lengths[idx].max()), lengths[idx])
+            for b, idx in planner.plan(0)
+        )
         return Rates(
-            tokens / max(t_target, 1e-9),
-            tokens / max(t_drafter, 1e-9),
+            computed * fill / max(t_target, 1e-9),
+            computed * fill / max(t_drafter, 1e-9),
             str(device),
             batches,
             tokens,
             fast_path,
+            fill,
         )
     finally:
         trainer.close()
