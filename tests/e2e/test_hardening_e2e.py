@@ -173,8 +173,15 @@ class PsSampler:
         return any(text in line for line in self.host_lines)
 
 
-def files_containing(root: Path, needle: bytes, skip: tuple[Path, ...] = ()) -> list[str]:
-    """Regular files under ``root`` holding ``needle`` (links not followed; /proc /sys /dev /usr skipped)."""
+def files_containing(
+    root: Path, needle: bytes, skip: tuple[Path, ...] = (), changed_since: float | None = None
+) -> list[str]:
+    """Regular files under ``root`` holding ``needle`` (links not followed; /proc /sys /dev /usr skipped).
+
+    ``changed_since``: only files whose inode changed at or after this time are read. A needle made
+    at that time can be in no other file: writing a file, linking it or setting its mtime back all
+    set its ctime to now, which no process can set back. The container keeps the suite's uv cache
+    and the multi-host envs (~15 GB of torch) that would otherwise be read on every run."""
     hits = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
@@ -185,6 +192,8 @@ def files_containing(root: Path, needle: bytes, skip: tuple[Path, ...] = ()) -> 
             if path in skip or path.is_symlink() or not path.is_file():
                 continue
             try:
+                if changed_since is not None and path.stat().st_ctime < changed_since:
+                    continue
                 if needle in path.read_bytes():
                     hits.append(str(path))
             except OSError:
@@ -252,7 +261,7 @@ def test_run_env_secret_never_in_ps_files_or_tmux(remote_fleet: RemoteFleet, tmp
     assert marker not in tmux_env
     for result in outputs:
         assert marker not in result.stdout + result.stderr
-    leaks = files_containing(Path(hosts.ct_rootfs), marker.encode())
+    leaks = files_containing(Path(hosts.ct_rootfs), marker.encode(), changed_since=start - 1)
     assert not leaks, f"files in the container hold the secret: {leaks}"
     controller = files_containing(tmp_path, marker.encode(), skip=(fleet.config,))
     controller += files_containing(testkit.REPO / ".fleet", marker.encode())
