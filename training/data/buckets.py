@@ -140,6 +140,10 @@ class EpochPlanner:
     def padded_length(self, bucket: int) -> int:
         return pad_length(self.boundaries[bucket], self.boundaries[bucket + 1], self.max_length)
 
+    def width(self, bucket: int, lengths: Sequence[int], pad_to_bucket: bool) -> int:
+        """A batch's padded width: its bucket's (compiled runs: one shape per bucket) or its longest row."""
+        return self.padded_length(bucket) if pad_to_bucket else int(max(lengths))
+
     def take(self, position: Position) -> tuple[int, np.ndarray, Position, Position]:
         """The batch at ``position`` (rolling over to the next epoch at the end):
         (bucket, indices, the position it was taken at, the position after it)."""

@@ -193,7 +193,7 @@ class TrainData:
         bucket, indices, at, after = self.planner.take(position)
         rows = self.rows[[int(i) for i in indices]]
         lengths = [len(x) for x in rows["input_ids"]]
-        width = self.planner.padded_length(bucket) if pad_to_bucket else max(lengths)
+        width = self.planner.width(bucket, lengths, pad_to_bucket)
         ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(lengths), width), dtype=torch.bool)
         for r, (seq, seq_mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):

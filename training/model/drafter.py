@@ -266,16 +266,6 @@ class DrafterAttention(nn.Module):
         b, _, q_len, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
-    def forward(
-        self,
-        x: Tensor,
-        ctx: Tensor,
-        rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
-        attend: Attend,
-    ) -> Tensor:
-        return self.output(attend(*self.project(x, ctx, rope_q, rope_kv)))
-
 
 class DrafterMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -296,16 +286,6 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(hidden, heads, kv_heads, head_dim, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = DrafterMLP(hidden, inter)
-
-    def forward(
-        self,
-        h: Tensor,
-        ctx: Tensor,
-        rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
-        attend: Attend,
-    ) -> Tensor:
-        return self.finish(h, attend(*self.attention_inputs(h, ctx, rope_q, rope_kv)))
 
     def attention_inputs(
         self, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor]

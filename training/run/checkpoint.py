@@ -206,7 +206,7 @@ class CheckpointWriter:
     def reserve(self, state: dict[str, Any]) -> None:
         """Allocate in a background thread the pinned buffers a ``save`` of ``state`` (same
         structure and shapes) copies into; the next ``save`` first waits for it. Once: a no-op
-        when buffers exist or a thread is in flight."""
+        after an earlier ``reserve`` or ``save`` (``reserved``)."""
         if self.reserved:
             return
         self._reserved = True

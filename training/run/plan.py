@@ -189,13 +189,10 @@ def probe(config_name: str, overrides: list[str], batches: int, warmup: int) -> 
             trainer.drafter_step(*item)
         sync()
         t_drafter = time.perf_counter() - t0
-        # The epoch's batches padded as the trainer pads them (its bucket's width when compiled).
+        # The epoch's batches padded as the trainer pads them.
         planner = trainer.data.planner
-        lengths = planner.lengths
-        fill = fill_ratio(
-            (planner.padded_length(b) if trainer.compiled else int(lengths[idx].max()), lengths[idx])
-            for b, idx in planner.plan(0)
-        )
+        sizes = [(b, planner.lengths[idx]) for b, idx in planner.plan(0)]
+        fill = fill_ratio((planner.width(b, n, trainer.compiled), n) for b, n in sizes)
         return Rates(
             computed * fill / max(t_target, 1e-9),
             computed * fill / max(t_drafter, 1e-9),

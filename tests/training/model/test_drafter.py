@@ -313,7 +313,7 @@ def test_the_drafter_layout_comes_from_the_drafter_config() -> None:
 
 
 def _previous_attention_forward(self, x, ctx, rope_q, rope_kv, attend):
-    """``DrafterAttention.forward`` before the k/v projections were split (the reference): one
+    """The drafter attention before the k/v projections were split (the reference): one
     [context ; block] concatenation at the hidden width, autocast casting per projection."""
     from training.model.drafter import _apply_rope
 
@@ -349,8 +349,8 @@ def _previous_blocks(self, ctx, first_tokens, anchors, attends, regions=None):
     rope_kv = _rope(kv_pos, self.head_dim, self.cfg.rope_theta)
     for layer, window in zip(self.layers, self.windows, strict=True):
         x = layer.input_layernorm(h)
-        h = h + layer.self_attn(x, ctx, rope_q, rope_kv, attends[window])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _previous_attention_forward(layer.self_attn, x, ctx, rope_q, rope_kv, attends[window])
+        h = h + _previous_mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
     return self.norm(h)
 
 
@@ -360,7 +360,7 @@ def test_split_kv_projections_equal_the_previous_attention(
 ) -> None:
     """Loss, accuracy, tau and every gradient of a training step equal the previous attention's and
     MLP's, in float32 and under bf16 autocast (the GPU's setting, here on the CPU: the same casts)."""
-    from training.model.drafter import DFlashDrafter, DrafterAttention, DrafterMLP
+    from training.model.drafter import DFlashDrafter
 
     target = tiny_target()
     g = torch.Generator().manual_seed(4)
@@ -369,8 +369,6 @@ def test_split_kv_projections_equal_the_previous_attention(
     results, counts = [], []
     for previous in (False, True):
         if previous:
-            monkeypatch.setattr(DrafterAttention, "forward", _previous_attention_forward)
-            monkeypatch.setattr(DrafterMLP, "forward", _previous_mlp_forward)
             monkeypatch.setattr(DFlashDrafter, "_blocks", _previous_blocks)
         drafter = tiny_drafter(target, attention_backend="blockwise")
         hidden = hidden_of(target, ids, drafter.target_layer_ids)
