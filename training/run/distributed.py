@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -366,7 +366,15 @@ class DrafterWorker(Worker):
                 f"{self.ctx.describe(source)} sent batch {header.seq}, expected {expected} (order=fixed)"
             )
         self.taken += 1
-        return source, post_receive(header, source, self.ctx.pair_data[source], self.ctx.device)
+        return source, self._post(header, source)
+
+    def _post(self, header: Any, source: int) -> Callable[[], WorkItem]:
+        """``post_receive`` from ``source``; gloo refuses to post to a peer already gone: RankLost."""
+        try:
+            return post_receive(header, source, self.ctx.pair_data[source], self.ctx.device)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0][:200]
+            raise RankLost(f"lost {self.ctx.describe(source)} during a transfer: {first}", source) from None
 
     def receive(self, ticket: tuple[int, Any]) -> WorkItem:
         source, finish = ticket
@@ -464,7 +472,7 @@ class DrafterWorker(Worker):
             for t in self.ctx.topology.target_ranks:
                 while self.pending[t]:
                     header = self.pending[t].popleft()
-                    post_receive(header, t, self.ctx.pair_data[t], self.ctx.device)()
+                    self._post(header, t)()
             if len(self.ended) == self.ctx.topology.targets:
                 break
             self._file(self.message("END from targets"))
