@@ -59,7 +59,7 @@ RUN_KEYS = ("module", "config", "overrides", "env", "restart")
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
-NOTIFY_KEYS = ("command", "url", "headers")
+NOTIFY_KEYS = ("command", "url", "headers", "command_env")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 MULTI_RUN_KEYS = ("targets", "topology", "per_host", "rendezvous", "network", "run")
 NETWORK_KEYS = ("addr", "socket_ifname")
@@ -130,6 +130,8 @@ class NotifySpec:
     command: tuple[str, ...] = ()  # argv run on the target, the JSON body on stdin
     url: str = field(default="", repr=False)  # POSTed the JSON body
     headers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # run.env keys the command is given; by default none of the run's secrets reach it.
+    command_env: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -809,9 +811,21 @@ def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
             f'{path}: {nkey}.command must be an argv list of strings; e.g. ["/usr/local/bin/page-me"]'
         )
     url = raw.get("url", "")
-    # The URL may hold a token: the messages name the key, never the value.
-    if not isinstance(url, str) or (url and not re.match(r"^https?://[^\s]+$", url)):
-        raise ConfigError(f"{path}: {nkey}.url must be an http:// or https:// URL without spaces")
+    # The URL may hold a token: the messages name the key, never the value. Printable ASCII only
+    # (what urllib sends as is): a control character would make the notifier fail on the target.
+    if not isinstance(url, str) or (url and not re.fullmatch(r"https?://[!-~]+", url)):
+        raise ConfigError(
+            f"{path}: {nkey}.url must be an http:// or https:// URL of printable ASCII without spaces "
+            "(percent-encode anything else)"
+        )
+    command_env = raw.get("command_env", [])
+    if not isinstance(command_env, list) or not all(
+        isinstance(k, str) and ENV_KEY_RE.match(k) for k in command_env
+    ):
+        raise ConfigError(
+            f"{path}: {nkey}.command_env must be a list of run.env keys the command may see; "
+            'e.g. ["PAGER_TOKEN"]'
+        )
     headers = raw.get("headers", {})
     _check_type(
         headers, dict, f"{nkey}.headers", 'a table of strings; e.g. { Authorization = "Bearer ..." }', path
@@ -820,13 +834,19 @@ def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
         if (
             not re.match(r"^[A-Za-z0-9-]+$", name)
             or not isinstance(value, str)
-            or any(c in value for c in "\r\n\0")
+            or not all(c == "\t" or " " <= c <= "~" or "\xa0" <= c <= "\xff" for c in value)
         ):
+            # http.client sends header values as latin-1 and refuses control characters.
             raise ConfigError(
                 f"{path}: {nkey}.headers.{name}: give a header name of letters, digits and '-' "
-                "and a one-line string value"
+                "and a one-line value of printable latin-1 characters"
             )
-    return NotifySpec(command=tuple(command), url=url, headers=MappingProxyType(dict(headers)))
+    return NotifySpec(
+        command=tuple(command),
+        url=url,
+        headers=MappingProxyType(dict(headers)),
+        command_env=tuple(command_env),
+    )
 
 
 def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:

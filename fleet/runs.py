@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from fleet import remote
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
-from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
+from fleet.errors import CommandFailed, ConfigError, RunError, TargetError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
@@ -43,6 +43,8 @@ TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 EXIT_LIVE = 75  # run_launch.sh: a run is live
 EXIT_NO_WRAPPER = 66  # run_launch.sh: the release lacks remote/run.sh
 EXIT_EXISTS = 73  # run_launch.sh: the run directory exists
+EXIT_SHORT_ENV = 74  # run_launch.sh: the environment file arrived incomplete
+ENV_TRAILER = "fleet-env-bytes"
 STATUS_LINES = 12
 
 
@@ -238,6 +240,7 @@ def wrapper_env(spec: TargetSpec) -> dict[str, str]:
         env["FLEET_NOTIFY_URL"] = notify.url
         env["FLEET_NOTIFY_HEADERS"] = json.dumps(dict(notify.headers))
         env["FLEET_NOTIFY_COMMAND"] = json.dumps(list(notify.command))
+        env["FLEET_NOTIFY_COMMAND_ENV"] = " ".join(notify.command_env)
         env["FLEET_NOTIFY_TARGET"] = spec.name
         env["FLEET_NOTIFY_STALL_S"] = str(spec.stall_window_s)
     return env
@@ -323,7 +326,9 @@ def plan(target: Target, gpus: int, *, as_json: bool) -> str:
 
 
 def env_file_text(env: Mapping[str, str]) -> bytes:
-    """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh."""
+    """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh. The last
+    line, ``# fleet-env-bytes N`` (N: the bytes before it), lets run_launch.sh refuse a file cut
+    short by a dropped connection."""
     lines = []
     for key, value in sorted(env.items()):
         if not ENV_KEY_RE.match(key):
@@ -331,7 +336,8 @@ def env_file_text(env: Mapping[str, str]) -> bytes:
                 f"run.env: {key!r} is not an environment variable name; use [A-Za-z_][A-Za-z0-9_]*"
             )
         lines.append(f"export {key}={shlex.quote(value)}\n")
-    return "".join(lines).encode()
+    body = "".join(lines).encode()
+    return body + f"# {ENV_TRAILER} {len(body)}\n".encode()
 
 
 def _int_or_none(text: str) -> int | None:
@@ -347,7 +353,14 @@ def parse_state(target: str, text: str) -> BasicStatus:
     pane_pid = _int_or_none(panes[0][1]) if panes and len(panes[0]) > 1 else None
     pgid = _int_or_none(sec.get("pgid", ""))
     no_run_here = not sec.get("run_json", "").strip() and not sec.get("latest", "").strip()
-    foreign = live and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
+    # The run's own lock decides (tmux may be gone while its trainer runs on); the pane tells
+    # another workdir's run apart, and gives the exit status when run.sh could not write it.
+    run_alive = sec.get("alive", "").strip() == "1"
+    foreign = (
+        live
+        and not run_alive
+        and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
+    )
     run: dict[str, Any] = {}
     if sec.get("run_json", "").strip():
         try:
@@ -359,7 +372,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
     log = sec.get("log", "")
     last_lines = tuple(log.rstrip("\n").split("\n")) if log.strip() else ()
     exit_code = _int_or_none(sec.get("exit_code", ""))
-    if exit_code is None and panes and not live:
+    if exit_code is None and panes and not live and not run_alive:
         fields = panes[0] + ["", "", ""]
         status, signal = _int_or_none(fields[2]), _int_or_none(fields[3])
         exit_code = status if status is not None else (128 + signal if signal else None)
@@ -372,7 +385,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
             current_release=release_id_from_link(sec.get("current", "").strip()),
             foreign_pid=pane_pid,
         )
-    if live and exit_code is None:
+    if run_alive or (live and exit_code is None):
         state = "live"
     elif run or sec.get("latest", "").strip():
         state = "exited"
@@ -587,24 +600,45 @@ def _launch(
         record["multi_host"] = node.record()
     mode = "resume" if resume else "new"
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
+    env = {**run_env(spec), **wrapper_env(spec), **(node.env(spec) if node is not None else {})}
     try:
-        env = {**run_env(spec), **wrapper_env(spec), **(node.env(spec) if node is not None else {})}
         target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:
             return None
         if err.command_exit_code == EXIT_LIVE:
-            raise _live_error(target, _state(target, 0)) from None
+            status = _state(target, 0)
+            if status.state != "live":  # the live run is not runs/latest's: the launcher names it
+                raise RunError(
+                    f"{target.name}: {scrub(err.stderr_tail, env)}; stop it first with `fab stop`"
+                ) from None
+            raise _live_error(target, status) from None
+        if err.command_exit_code == EXIT_SHORT_ENV:
+            raise RunError(
+                f"{target.name}: run {run_id} was not started: its environment arrived incomplete on the "
+                "target (the connection dropped mid-launch?); nothing was kept: `fab train` again"
+            ) from None
         if err.command_exit_code == EXIT_NO_WRAPPER:
             raise RunError(
                 f"{target.name}: release {release} is not on the target (or lacks remote/run.sh); "
                 "run `fab deploy` again"
             ) from None
-        why = err.stderr_tail or f"exit {err.command_exit_code}"
+        why = scrub(err.stderr_tail, env) or f"exit {err.command_exit_code}"
         raise RunError(
             f"{target.name}: could not start run {run_id}: {why}; nothing of it was kept (runs/latest "
             "still names the previous run): fix the cause and `fab train` again"
         ) from None
+    except TargetError as err:
+        # The connection dropped: the launch on the target was whole or nothing. Find out which.
+        try:
+            status = _state(target, 0)
+        except TargetError:
+            raise TargetError(
+                f"{scrub(str(err), env)}; run {run_id} may or may not have started: `fab status` tells"
+            ) from None
+        if status.run_id == run_id:
+            return info
+        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     return info
 
 

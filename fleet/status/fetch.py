@@ -81,14 +81,19 @@ def parse_fetch(
     alive: bool | None = None
     exit_code = _int(s.get("exit_code", ""))
     if run_id:
-        pane = s.get("pane", "").split()
+        # tmux leaves a field empty (a pane killed by a signal has no exit status): split on the
+        # single spaces of the format, so no field slides into another's place.
+        pane = (s.get("pane", "").splitlines() or [""])[0].split(" ")
         # The session's pane is this run's only when its pid is the one run.sh recorded: a pane
         # left by another run must not lend this one its liveness or exit status.
         pid, pane_pid = _int(s.get("pid", "")), _int(pane[3]) if len(pane) > 3 else None
-        if pid is None or (pane_pid is not None and pane_pid != pid):
+        if pid is None or (pane_pid is not None and pane_pid != pid) or pane[0] not in ("0", "1"):
             pane = []
-        alive = bool(pane) and pane[0] == "0"
-        if exit_code is None and pane and pane[0] == "1":
+        # The run's own lock says whether it lives (tmux may be gone while its trainer runs on);
+        # the pane only where the script predates that section.
+        lock = s.get("alive", "").strip()
+        alive = lock == "1" if lock in ("0", "1") else bool(pane) and pane[0] == "0"
+        if exit_code is None and not alive and pane and pane[0] == "1":
             status, signal = (
                 _int(pane[1]) if len(pane) > 1 else None,
                 _int(pane[2]) if len(pane) > 2 else None,
