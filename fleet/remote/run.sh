@@ -73,10 +73,11 @@ notify_run() {
         "$python" -I "$notifier" "$@" >> "$log" 2>&1
 }
 # In the background and without the run's lock: a slow or hanging webhook or command (the
-# notifier bounds both) never holds a restart, the exit status or the run's liveness.
+# notifier bounds both) never holds a restart, the exit status or the run's liveness. It ignores
+# the SIGHUP that tmux's closing pane sends once this shell has exited.
 notify() {  # STATE CAUSE
     if [ -n "$notifying" ]; then
-        (notify_run send "$run_dir" "$1" "$2" 9>&- || true) &
+        (trap '' HUP; notify_run send "$run_dir" "$1" "$2" 9>&- || true) &
     fi
 }
 export PYTHONPATH="$release_dir"
