@@ -130,7 +130,7 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
     else:  # one target, refreshed until its run ends
 
         def follow(target: Target) -> RunStatus:
-            return render.watch(lambda: fetch.fetch_status(target), interval, as_json=json)
+            return render.watch(fetch.fetch_retrying(target, interval), interval, as_json=json)
 
         ((_name, st),) = map_targets(c, follow, allow_many=False, why_one="status --watch follows one target")
         code = st.exit_code

@@ -56,6 +56,7 @@ TARGET_KEYS = (
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
 RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+MAX_OVERRIDES_BYTES = 32 * 1024
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
@@ -761,6 +762,14 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
     overrides = raw.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f'{path}: {rkey}.overrides must be a list of strings; e.g. ["--train.steps=50"]')
+    size = sum(len(o.encode("utf-8", "surrogateescape")) + 1 for o in overrides)
+    if size > MAX_OVERRIDES_BYTES:
+        # They travel in the command line of every remote step (twice in the launch's: argv and
+        # run.json), which the remote shell gets as one argument of at most 128 KiB.
+        raise ConfigError(
+            f"{path}: {rkey}.overrides are {size} bytes in all, over the {MAX_OVERRIDES_BYTES} a remote "
+            "command line carries safely; put long values in a config file (`--config`) instead"
+        )
     for i, override in enumerate(overrides):
         if "\0" in override:
             raise ConfigError(

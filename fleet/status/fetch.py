@@ -15,13 +15,14 @@ import datetime as dt
 import json
 import re
 import secrets
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleet import remote
-from fleet.errors import ConfigError, GpuGateError, RunError
+from fleet.errors import CommandFailed, ConfigError, GpuGateError, RunError, TargetError
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
 from fleet.status.model import GpuRow, RunFacts, RunStatus, build_status
@@ -183,6 +184,29 @@ def fetch(
     result = target.run(argv, timeout=60)
     gpu_targets = spec.topology.targets if spec.topology else None
     return parse_fetch(result.stdout, boundary, tail_bytes=events_bytes, gpu_targets=gpu_targets)
+
+
+WATCH_RETRIES = 5  # consecutive dropped sessions ``--watch`` rides out before it gives up
+
+
+def fetch_retrying(target: Target, pause: float, retries: int = WATCH_RETRIES) -> Callable[[], RunStatus]:
+    """``fetch_status`` for ``--watch``: a dropped SSH session (a TargetError that is not a failed
+    command) is reconnected and read again, up to ``retries`` times in a row, ``pause`` s apart."""
+
+    def get() -> RunStatus:
+        for attempt in range(retries + 1):
+            try:
+                return fetch_status(target)
+            except CommandFailed:
+                raise
+            except TargetError:
+                if attempt == retries:
+                    raise
+                target.close()
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    return get
 
 
 def fetch_status(target: Target) -> RunStatus:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -234,3 +237,47 @@ def test_the_notify_command_gets_no_run_secret_unless_named_and_never_holds_the_
     assert f"PAGER_TOKEN={shared}" in env, env
     assert secret not in env and "FLEET_NOTIFY" not in env, env
     assert re.search(r"^PATH=", env, re.M), env
+
+
+def sshd_sessions(master_pidfile: str) -> list[int]:
+    """The test host's sshd session processes (children of its listening sshd)."""
+    master = Path(master_pidfile).read_text().strip()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == master:
+                found.append(int(proc.name))
+    return found
+
+
+def test_status_watch_rides_out_a_dropped_ssh_session(remote_fleet: RemoteFleet) -> None:
+    fleet, hosts = remote_fleet, remote_fleet.hosts
+    selftest(fleet, ["--selftest.steps=40", "--selftest.step_seconds=0.2"])
+    assert fleet.fab("deploy", "train", "--no-warm").returncode == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(FLEET_CONFIG=str(fleet.config), PYTHONUNBUFFERED="1")
+    watch = subprocess.Popen(
+        [str(testkit.FAB), "status", "--watch", "0.5", "--json"],
+        cwd=testkit.REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watch.stdout is not None
+        first = json.loads(watch.stdout.readline())
+        assert first["state"] not in FINAL, first
+        for pid in sshd_sessions(hosts.sshd_pidfile):  # the network drops every session
+            os.kill(pid, signal.SIGKILL)
+        out, err = watch.communicate(timeout=120)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert "Traceback" not in err, err
+    assert watch.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["state"] == "finished", out

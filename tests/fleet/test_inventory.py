@@ -210,6 +210,14 @@ BAD = {
         "run.env.TOKEN must be a string",
     ),
     "overrides": (LOCAL + "[targets.local.run]\noverrides = '--x=1'\n", "run.overrides must be a list"),
+    "overrides-200k": (
+        LOCAL + f"[targets.local.run]\noverrides = ['--x={'a' * 200_000}']\n",
+        "run.overrides are 200005 bytes in all",
+    ),
+    "notify-url-control": (
+        LOCAL + '[targets.local.notify]\nurl = "https://hooks.example/t0ken\\u0007"\n',
+        "notify.url must be an http:// or https:// URL of printable ASCII",
+    ),
     "default-target": (
         LOCAL.replace('"local"\n[', '"nope"\n[', 1),
         "default_target = 'nope' is not a target",
