@@ -31,12 +31,10 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from io import StringIO
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
@@ -46,6 +44,7 @@ from fleet import remote, runs
 from fleet.envs import cuda_mismatch
 from fleet.errors import FleetError, tail_lines
 from fleet.gpus import Answer, GpuHealth, parse_health_xml, smi_failure
+from training.config import TargetShape, target_shape
 
 if TYPE_CHECKING:
     from fleet.inventory import TargetSpec
@@ -417,6 +416,7 @@ class RunNeeds:
     target_bytes: int | None = None
     keep_checkpoints: int = 2
     notes: tuple[str, ...] = ()
+    shape: TargetShape | None = None  # the target's sizes (known: from the config or its config.json)
 
     @property
     def hidden_bytes_per_token(self) -> int:
@@ -431,83 +431,68 @@ class RunNeeds:
         return self.drafter_params * CHECKPOINT_BYTES_PER_PARAM
 
 
-def read_run_config(repo_root: Path, spec: TargetSpec) -> dict[str, Any] | None:
-    """The run config as a dict (the repo's TOML + ``run.overrides``); None when not found here."""
-    name = spec.run.config
-    path = Path(name) if name.endswith(".toml") else repo_root / "training" / "configs" / f"{name}.toml"
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return None
-    for override in spec.run.overrides:
-        m = re.match(r"^--([a-z_]+)\.([a-z_]+)=(.*)$", override)
-        if m:
-            data.setdefault(m.group(1), {})[m.group(2)] = _toml_scalar(m.group(3))
-    return data
-
-
-def _toml_scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def _layer_params(h: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> int:
     return 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter
 
 
 def run_needs(
     spec: TargetSpec,
-    raw: Mapping[str, Any] | None,
     model_config: Mapping[str, Any] | None = None,
     model_bytes: int | None = None,
 ) -> RunNeeds:
-    """Sizes from the run config; a pretrained target's shape from its ``config.json`` (pure)."""
-    if raw is None:
+    """Sizes from the run config the inventory loaded (``spec.run.loaded``); a pretrained target's
+    shape from its ``config.json`` (pure)."""
+    config = spec.run.loaded
+    if config is None:
         return RunNeeds(spec.run.config, known=False)
-    model, drafter, data = (dict(raw.get(s, {})) for s in ("model", "drafter", "data"))
-    kind = str(model.get("kind", "tiny"))
+    model, drafter = config.model, config.drafter
     notes: list[str] = []
-    shape = dict(model)
-    if kind == "pretrained":
+    shape = target_shape(config)
+    if shape is None:  # pretrained: the folder's config.json, read on the target
         cfg = dict(model_config or {})
         cfg = dict(cfg.get("text_config", cfg))
         if not cfg:
             notes.append("the model's config.json was not readable: hidden size 5120 assumed")
-        shape = {**cfg, "hidden_size": cfg.get("hidden_size", 5120)}
-    h = int(shape.get("hidden_size", 256))
-    heads = int(shape.get("num_attention_heads", 4))
-    kv = int(shape.get("num_key_value_heads", heads))
-    head_dim = int(shape.get("head_dim") or h // max(heads, 1))
-    inter = int(shape.get("intermediate_size", 4 * h))
-    layers = int(shape.get("num_hidden_layers", 4))
-    vocab = int(shape.get("vocab_size", 1024))
-    ids = drafter.get("target_layer_ids") or []
-    n_target = len(ids) if ids else int(drafter.get("num_target_layers", 5))
-    dtype = str(model.get("dtype", "auto"))
+        h = int(cfg.get("hidden_size", 5120))
+        heads = int(cfg.get("num_attention_heads", 4))
+        shape = TargetShape(
+            hidden_size=h,
+            num_hidden_layers=int(cfg.get("num_hidden_layers", 4)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or h // max(heads, 1)),
+            intermediate_size=int(cfg.get("intermediate_size", 4 * h)),
+            vocab_size=int(cfg.get("vocab_size", 1024)),
+        )
+    h = shape.hidden_size
+    layer = _layer_params(
+        h, shape.intermediate_size, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+    )
+    ids = drafter.target_layer_ids
+    n_target = len(ids) if ids else drafter.num_target_layers
+    dtype = model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if spec.gpus > 0 else "float32"
     dtype_bytes = 4 if dtype == "float32" else 2
-    drafter_params = int(drafter.get("num_layers", 5)) * _layer_params(h, inter, heads, kv, head_dim)
-    drafter_params += n_target * h * h
-    if kind == "pretrained":
+    drafter_params = drafter.num_layers * layer + n_target * h * h
+    if model.kind == "pretrained":
         target_bytes = model_bytes
     else:
-        target_bytes = (layers * _layer_params(h, inter, heads, kv, head_dim) + 2 * vocab * h) * dtype_bytes
+        target_bytes = (shape.num_hidden_layers * layer + 2 * shape.vocab_size * h) * dtype_bytes
     return RunNeeds(
         config=spec.run.config,
         known=True,
-        kind=kind,
-        model_path=str(model.get("path", "")),
+        kind=model.kind,
+        model_path=model.path,
         hidden_size=h,
         target_layers=n_target,
-        token_budget=int(data.get("token_budget", 4096)),
+        token_budget=config.data.token_budget,
         dtype_bytes=dtype_bytes,
         drafter_params=drafter_params,
         target_bytes=target_bytes,
-        keep_checkpoints=int(dict(raw.get("checkpoint", {})).get("keep", 2)),
+        keep_checkpoints=config.checkpoint.keep,
         notes=tuple(notes),
+        shape=shape,
     )
 
 
@@ -518,7 +503,7 @@ def run_needs(
 class Finding:
     """One check: its status and one line (what, where, and for a problem the fix)."""
 
-    area: str  # passthrough | driver | nccl | topology | health | bandwidth
+    area: str  # run | passthrough | driver | nccl | topology | health | bandwidth
     check: str
     status: Status
     message: str
@@ -630,7 +615,7 @@ def evaluate(
     """Every finding from the facts and the bandwidth probe's result (pure)."""
     ct = facts.container
     ct_config = parse_ct_config(_text(facts.host, "ct_config")) if facts.host is not None else None
-    findings: list[Finding] = []
+    findings: list[Finding] = [_run_size(needs)]
     if spec.gpus > 0:
         findings += _passthrough(spec, facts, ct_config)
         findings += _driver(spec, facts)
@@ -661,6 +646,24 @@ def evaluate(
     topology_from = f"the host of {where}" if facts.host is not None else where
     return DoctorReport(
         spec.name, where, spec.gpus, tuple(findings), topology, topology_from, bandwidth, needs
+    )
+
+
+def _run_size(needs: RunNeeds) -> Finding:
+    """What the sizes below are judged against: the run config's target and drafter."""
+    shape = needs.shape
+    if not needs.known or shape is None:
+        return Finding(
+            "run", "run size", "skip", f"run config {needs.config!r} is not readable here: sizes unknown"
+        )
+    target = f"{_size(needs.target_bytes)}" if needs.target_bytes is not None else "size unknown"
+    return Finding(
+        "run",
+        "run size",
+        "ok",
+        f"{needs.config}: target ({needs.kind}) {shape.hidden_size} wide, {shape.num_hidden_layers} layers, "
+        f"vocab {shape.vocab_size:,} ({target}); drafter {_count(needs.drafter_params)} params; "
+        f"{needs.target_layers} x {shape.hidden_size} x {needs.dtype_bytes} B hidden states per token",
     )
 
 
@@ -1496,30 +1499,28 @@ def _model_facts(facts: Facts) -> tuple[dict[str, Any] | None, int | None]:
 
 
 def check(
-    target: Target, repo_root: Path, *, bandwidth: bool = False, tokens_per_s: float = DEFAULT_TOKENS_PER_S
+    target: Target, *, bandwidth: bool = False, tokens_per_s: float = DEFAULT_TOKENS_PER_S
 ) -> DoctorReport:
     """Probe the target (one command per location) and judge; ``bandwidth`` adds the measured probe."""
     spec = target.spec
-    raw = read_run_config(repo_root, spec)
-    model_path = str(dict(raw.get("model", {})).get("path", "")) if raw else ""
-    kind = str(dict(raw.get("model", {})).get("kind", "")) if raw else ""
-    facts = probe(target, model_path if kind == "pretrained" else "")
+    loaded = spec.run.loaded
+    pretrained = loaded is not None and loaded.model.kind == "pretrained"
+    facts = probe(target, loaded.model.path if pretrained else "")
     model_config, model_bytes = _model_facts(facts)
-    needs = run_needs(spec, raw, model_config, model_bytes)
+    needs = run_needs(spec, model_config, model_bytes)
     bw = measure_bandwidth(target, needs, tokens_per_s) if bandwidth else None
     return evaluate(spec, facts, needs, bw)
 
 
 def doctor_task(
     target: Target,
-    repo_root: Path,
     *,
     as_json: bool = False,
     bandwidth: bool = False,
     tokens_per_s: float = DEFAULT_TOKENS_PER_S,
 ) -> str:
     """``fab doctor``: the report; prints it and raises ``FleetError`` (exit 1) when a check failed."""
-    report = check(target, repo_root, bandwidth=bandwidth, tokens_per_s=tokens_per_s)
+    report = check(target, bandwidth=bandwidth, tokens_per_s=tokens_per_s)
     out = report.to_json() if as_json else report.text()
     if report.ok:
         return out

