@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleet import remote
+from fleet import remote, trainer_cli
 from fleet.errors import ConfigError, RunError
 from fleet.runs import basic_status, failure_summary, run_with_env
 from fleet.target import Target
@@ -51,12 +51,6 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def export_argv(python: str, module: str, run_dir: str, out: str, step: int | None) -> list[str]:
-    """``<python> -m <module> export --run-dir D --out O [--step N]``."""
-    argv = [python, "-m", module, "export", "--run-dir", run_dir, "--out", out]
-    return argv + (["--step", str(step)] if step is not None else [])
-
-
 def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> ExportResult:
     """``fab export [--step N] [--to LOCAL_DIR]`` (see the module docstring)."""
     if step is not None and step < 0:
@@ -71,9 +65,7 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
         raise RunError(f"{target.name}: no run to export: start one with `fab train`")
     run_dir = spec.layout.run_dir(status.run_id)
     out = posixpath.join(run_dir, "export" if step is None else f"export-step-{step}")
-    res = run_with_env(
-        target, export_argv(spec.run_python, spec.run.module, run_dir, out, step), timeout=EXPORT_TIMEOUT_S
-    )
+    res = run_with_env(target, trainer_cli.export(spec, run_dir, out, step), timeout=EXPORT_TIMEOUT_S)
     if res.exit_code != 0:
         why = failure_summary(res.stderr or res.stdout, res.exit_code)
         raise RunError(f"{target.name}: export of run {status.run_id} failed ({why})")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fleet import runs
+from fleet import runs, trainer_cli
 from fleet.errors import ConfigError, FleetError, RunError
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
 from fleet.status.model import RunStatus
@@ -127,7 +127,7 @@ def _plan(
         )
     ck = targets[run.checkpoint_node]
     spec = ck.spec
-    res = runs.run_with_env(ck, runs.resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    res = runs.run_with_env(ck, trainer_cli.resume_check(spec, spec.layout.run_dir(candidate)))
     if res.exit_code == 2:
         why = res.stderr.strip().splitlines()[-1:] or ["its settings changed"]
         raise ConfigError(

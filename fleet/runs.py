@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from fleet import remote
+from fleet import remote, trainer_cli
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
@@ -142,22 +142,6 @@ def make_run_id(now: dt.datetime, config: str, latest: str | None = None) -> str
     return f"{stamp.strftime(TIME_FORMAT)}-{name}"
 
 
-def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
-    """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
-
-    With a topology N+M the same command runs under torchrun, one process per GPU:
-    ``<python> -m training.topology --nproc-per-node=N+M -m <module> train ... --topology N+M``
-    (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0, and whose single-node
-    rendezvous is on 127.0.0.1, never the hostname; gpus = 0: gloo on CPU, N+M processes)."""
-    python = spec.run_python
-    run = spec.run
-    train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
-    if spec.topology is None:
-        return [python, *train]
-    launcher = ["-m", "training.topology", f"--nproc-per-node={spec.topology.world_size}"]
-    return [python, *launcher, *train, "--topology", str(spec.topology)]
-
-
 @dataclass(frozen=True)
 class NodeLaunch:
     """Host ``index`` of a run over several hosts: one torchrun agent with ``--nnodes``,
@@ -167,27 +151,8 @@ class NodeLaunch:
     index: int
 
     def argv(self, spec: TargetSpec, run_dir: str, run_id: str) -> list[str]:
-        """``<python> -m training.topology --nnodes=H --node-rank=I ... -m training train ...``.
-
-        The first host's agent serves the rendezvous (``is_host``); each host advertises its
-        ``addr`` (``--local-addr``), by which c10d numbers the hosts (the inventory checks that
-        order). The rendezvous id is the run id: agents of another run never join it."""
-        run, node = self.run, self.run.nodes[self.index]
-        train = ["-m", run.run.module, "train", "--config", run.run.config, "--run-dir", run_dir]
-        launcher = [
-            "-m",
-            "training.topology",
-            f"--nnodes={len(run.nodes)}",
-            f"--node-rank={self.index}",
-            f"--nproc-per-node={node.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={run.rendezvous}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={'true' if self.index == 0 else 'false'}",
-            f"--local-addr={node.addr}",
-        ]
-        topology = ["--topology", str(run.topology), "--placement", run.placement]
-        return [spec.run_python, *launcher, *train, *run.run.overrides, *topology]
+        """This host's torchrun agent of the run (:func:`fleet.trainer_cli.node_train`)."""
+        return trainer_cli.node_train(spec, self.run, self.index, run_dir, run_id)
 
     def env(self, spec: TargetSpec) -> dict[str, str]:
         """What this host's ranks need besides the run's environment: the target's name (errors
@@ -243,14 +208,6 @@ def wrapper_env(spec: TargetSpec) -> dict[str, str]:
     return env
 
 
-def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
-    """``<python> -m training warm --config C --cache-dir <workdir>/compile-cache [--if-needed] ...``."""
-    python = spec.run_python
-    flag = ["--if-needed"] if if_needed else []
-    head = [python, "-m", "training", "warm", "--config", spec.run.config]
-    return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]
-
-
 def run_with_env(
     target: Target,
     argv: Sequence[str],
@@ -295,7 +252,7 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     spec = target.spec
     if spec.run.module != "training":
         return False
-    res = run_with_env(target, warm_argv(spec, if_needed=if_needed), stream=True)
+    res = run_with_env(target, trainer_cli.warm(spec, if_needed=if_needed), stream=True)
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: compile-cache warm-up failed ({failure_summary(res.stderr, res.exit_code)}); "
@@ -304,15 +261,9 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     return True
 
 
-def plan_argv(spec: TargetSpec, gpus: int, *, as_json: bool) -> list[str]:
-    """``<python> -m <module> plan --config C <overrides> --gpus G [--json]`` (the split advisor)."""
-    argv = [spec.run_python, "-m", spec.run.module, "plan", "--config", spec.run.config, *spec.run.overrides]
-    return [*argv, "--gpus", str(gpus), *(["--json"] if as_json else [])]
-
-
 def plan(target: Target, gpus: int, *, as_json: bool) -> str:
     """``fab plan``: the split advisor's output, run on the target with the run's environment."""
-    res = run_with_env(target, plan_argv(target.spec, gpus, as_json=as_json))
+    res = run_with_env(target, trainer_cli.plan(target.spec, gpus, as_json=as_json))
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: `{target.spec.run.module} plan` failed "
@@ -418,12 +369,6 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
     )
 
 
-def resume_check_argv(spec: TargetSpec, run_dir: str) -> list[str]:
-    """``<python> -m training resume-check --config C --run-dir D <overrides>`` (read-only)."""
-    head = [spec.run_python, "-m", "training", "resume-check", "--config", spec.run.config]
-    return [*head, "--run-dir", run_dir, *spec.run.overrides]
-
-
 def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
     """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure)."""
     for line in stdout.splitlines():
@@ -467,7 +412,7 @@ def plan_launch(
                 f"not {spec.run.module!r}"
             )
         return plan
-    res = run_with_env(target, resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    res = run_with_env(target, trainer_cli.resume_check(spec, spec.layout.run_dir(candidate)))
     if res.exit_code == 2:
         why = tail_lines(res.stderr, 1).removeprefix("error: ") or "its settings changed"
         raise ConfigError(
@@ -557,7 +502,7 @@ def _launch(
     spec = target.spec
     layout = spec.layout
     run_dir = layout.run_dir(run_id)
-    argv = training_argv(spec, run_dir) if node is None else node.argv(spec, run_dir, run_id)
+    argv = trainer_cli.train(spec, run_dir) if node is None else node.argv(spec, run_dir, run_id)
     info = RunInfo(
         run_id=run_id,
         release_id=release,
