@@ -27,6 +27,7 @@ from fleet import remote, trainer_cli
 from fleet.errors import ConfigError, RunError
 from fleet.runs import basic_status, failure_summary, run_with_env
 from fleet.target import Target
+from training.contract import HF_CONFIG_FILE
 
 EXPORTED_RE = re.compile(r"^exported step (\d+) \((.*)\) -> (.+)$", re.MULTILINE)
 EXPORT_TIMEOUT_S = 1800.0  # reading a 27B run's checkpoint and writing bf16 weights: minutes at most
@@ -100,7 +101,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     dest = dest.resolve()
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"export --to {dest} exists and is not a folder")
-    if dest.is_dir() and any(dest.iterdir()) and not (dest / "config.json").is_file():
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"export --to {dest} is a non-empty folder that is not an export: choose another")
     res = target.run(remote.sh("export_pack.sh", remote_path), check=False, timeout=EXPORT_TIMEOUT_S)
     if res.exit_code != 0:
@@ -116,7 +117,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
             archive.extractall(tmp, members=_plain_members(archive, target.name))
-        if not (tmp / "config.json").is_file():
+        if not (tmp / HF_CONFIG_FILE).is_file():
             raise RunError(f"{target.name}: {remote_path} holds no config.json")
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")

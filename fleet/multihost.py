@@ -18,7 +18,6 @@ and a run over several hosts is the same run id started on each of them with ``-
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -215,16 +214,15 @@ def stop(targets: Sequence[Target], *, force: bool) -> list[str]:
 
 # --- one status for all hosts ---------------------------------------------------------------------
 
-_LOST = re.compile(r"lost rank \d+ \((?:target|drafter) \d+ on host ([^,\s)]+)")
-
 
 def lost_hosts(run: MultiRunSpec, rows: Sequence[tuple[str, RunStatus | FleetError]]) -> list[str]:
-    """The run's hosts that the others lost: named by a surviving rank's error (``lost rank 1
-    (drafter 0 on host pve2, ...)``), or whose agent is gone while another host reports an error."""
+    """The run's hosts that the others lost: named by a surviving rank's error event (its
+    ``peer_host``), or whose agent is gone while another host reports an error."""
     named = []
     for _, st in rows:
         if isinstance(st, RunStatus) and st.last_error is not None:
-            named += [h for h in _LOST.findall(st.last_error.message) if h in run.targets]
+            if st.last_error.peer_host in run.targets:
+                named.append(st.last_error.peer_host)
     return list(dict.fromkeys(named))
 
 

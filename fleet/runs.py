@@ -36,6 +36,7 @@ from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
 from fleet.target import CommandResult, Target, scrub
+from training import contract
 
 RunState = Literal["live", "exited", "never"]
 RUN_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([A-Za-z0-9_.-]+)$")
@@ -158,7 +159,7 @@ class NodeLaunch:
         """What this host's ranks need besides the run's environment: the target's name (errors
         name a lost peer by it) and the network interface hints."""
         node = self.run.nodes[self.index]
-        env = {"FLEET_NODE_NAME": spec.name}
+        env = {contract.NODE_NAME_ENV: spec.name}
         if node.socket_ifname:
             env["NCCL_SOCKET_IFNAME"] = node.socket_ifname
             env["GLOO_SOCKET_IFNAME"] = node.socket_ifname
@@ -179,15 +180,15 @@ class NodeLaunch:
         }
 
 
-COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
-DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache shared by a workdir's runs (training.run.core)
-
-
 def run_env(spec: TargetSpec) -> dict[str, str]:
     """The run's environment: the compile-cache and data-cache roots, then ``run.env`` (which may
     override them)."""
     layout = spec.layout
-    return {COMPILE_CACHE_ENV: layout.compile_cache, DATA_CACHE_ENV: layout.data_cache, **spec.run.env}
+    return {
+        contract.COMPILE_CACHE_ENV: layout.compile_cache,
+        contract.DATA_CACHE_ENV: layout.data_cache,
+        **spec.run.env,
+    }
 
 
 def wrapper_env(spec: TargetSpec) -> dict[str, str]:
@@ -195,16 +196,16 @@ def wrapper_env(spec: TargetSpec) -> dict[str, str]:
     restart policy and the causes it never retries (``fleet.status.diagnose.NOT_RETRYABLE``)."""
     env: dict[str, str] = {}
     if spec.run.restart_max > 0:
-        env["FLEET_RESTART_MAX"] = str(spec.run.restart_max)
-        env["FLEET_RESTART_BACKOFF_S"] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
-        env["FLEET_NO_RETRY"] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
+        env[contract.RESTART_MAX_ENV] = str(spec.run.restart_max)
+        env[contract.RESTART_BACKOFF_ENV] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
+        env[contract.NO_RETRY_ENV] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
     notify = spec.notify
     if notify.enabled:  # the notifier's (remote/run_notify.py); the URL and headers may be secrets
-        env["FLEET_NOTIFY_URL"] = notify.url
-        env["FLEET_NOTIFY_HEADERS"] = json.dumps(dict(notify.headers))
-        env["FLEET_NOTIFY_COMMAND"] = json.dumps(list(notify.command))
-        env["FLEET_NOTIFY_TARGET"] = spec.name
-        env["FLEET_NOTIFY_STALL_S"] = str(spec.stall_window_s)
+        env[contract.NOTIFY_URL_ENV] = notify.url
+        env[contract.NOTIFY_HEADERS_ENV] = json.dumps(dict(notify.headers))
+        env[contract.NOTIFY_COMMAND_ENV] = json.dumps(list(notify.command))
+        env[contract.NOTIFY_TARGET_ENV] = spec.name
+        env[contract.NOTIFY_STALL_ENV] = str(spec.stall_window_s)
     return env
 
 
@@ -370,16 +371,14 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
 
 
 def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
-    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure)."""
-    for line in stdout.splitlines():
-        words = line.split(" ", 3)
-        if words[0] == "none":
-            return None
-        if words[0] == "checkpoint" and len(words) == 4 and words[1].isdigit() and words[2].isdigit():
-            return Resume(run_id, int(words[1]), int(words[2]), words[3])
-    raise RunError(
-        f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
-    )
+    """``training resume-check``'s answer (``contract.parse_resume_line``) -> Resume; none -> None."""
+    try:
+        point = contract.parse_resume_line(stdout)
+    except ValueError:
+        raise RunError(
+            f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
+        ) from None
+    return None if point is None else Resume(run_id, point.step, point.total_steps, point.path)
 
 
 def plan_launch(
@@ -430,7 +429,7 @@ def plan_launch(
         if from_run:
             raise RunError(
                 f"{target.name}: run {from_run} has no checkpoint to resume from "
-                f"({spec.layout.run_dir(from_run)}/checkpoints); `fab runs` lists runs"
+                f"({spec.layout.run_dir(from_run)}/{contract.CHECKPOINT_DIR}); `fab runs` lists runs"
             )
         return replace(plan, note=f"run {candidate} has no checkpoint: starting a new run")
     if resume.step >= resume.total_steps and not from_run:
@@ -589,7 +588,7 @@ def _with_message(status: BasicStatus, message: str) -> BasicStatus:
 
 
 def _log_path(target: Target) -> str:
-    return f"{target.spec.layout.latest_run}/train.log"
+    return f"{target.spec.layout.latest_run}/{contract.LOG_FILE}"
 
 
 def read_log(target: Target, lines: int = 50) -> str:
@@ -629,9 +628,6 @@ class RunSummary:
     latest: bool
 
 
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
-
-
 def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
     def event(name: str) -> dict[str, Any]:
         try:
@@ -650,7 +646,7 @@ def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
         state = "stopped"
     else:
         state = "failed"
-    ck = _CHECKPOINT_NAME.match(fields.get("checkpoint", ""))
+    ck = contract.CHECKPOINT_RE.fullmatch(fields.get("checkpoint", ""))
     return RunSummary(
         run_id=run_id,
         state=state,

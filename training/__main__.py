@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from training.config import TrainingError
+from training.contract import COMPILE_CACHE_ENV
 from training.events import EventWriter
 
 
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
     )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
-    warm.add_argument("--cache-dir", default="", help="the cache root (default $FLEET_COMPILE_CACHE)")
+    warm.add_argument("--cache-dir", default="", help=f"the cache root (default ${COMPILE_CACHE_ENV})")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
     return parser
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.contract import CONFIG_FILE
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -477,7 +479,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 def write_config(config: RunConfig, run_dir: Path) -> Path:
     """The resolved config as ``<run_dir>/config.json`` (written atomically)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.json"
+    path = run_dir / CONFIG_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
@@ -513,7 +515,7 @@ def _plain(value: Any) -> Any:
 
 
 def read_config(run_dir: Path) -> RunConfig:
-    path = run_dir / "config.json"
+    path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path} not found: is {run_dir} a run dir of `python -m training train`?")
     return config_from_dict(json.loads(path.read_text(encoding="utf-8")))

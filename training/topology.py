@@ -50,7 +50,7 @@ from training.contract import Topology
 STARTUP_TIMEOUT_S = 1800.0
 # The name a launcher gives this host (fleet: the inventory's target name): errors name a lost
 # peer by it, which is what the user knows the host as; else the hostname.
-NODE_NAME_ENV = "FLEET_NODE_NAME"
+NODE_NAME_ENV = contract.NODE_NAME_ENV
 
 
 def parse_topology(text: str, placement: str = "") -> Topology:
@@ -128,7 +128,7 @@ def torchrun_env() -> tuple[int, int, int]:
         raise ConfigError(f"torchrun environment is malformed ({exc})") from None
 
 
-SEE_ALL_GPUS_ENV = "FLEET_RANKS_SEE_ALL_GPUS"
+SEE_ALL_GPUS_ENV = contract.RANKS_SEE_ALL_GPUS_ENV
 
 
 def pin_visible_gpu(config: RunConfig, local_rank: int) -> str | None:

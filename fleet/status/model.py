@@ -136,6 +136,7 @@ class Checkpoint:
 class ErrorInfo:
     type: str
     message: str
+    peer_host: str = ""  # an N+M rank's error: the host of the peer it lost (contract.ERROR_PEER_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -479,7 +480,9 @@ def build_status(
                 rank, str(ev.get("model_type", "")), linear, kernels, str(ev.get("fast_path", ""))
             )
         elif kind == "error":
-            error = ErrorInfo(str(ev.get("type", "")), str(ev.get("message", "")))
+            error = ErrorInfo(
+                str(ev.get("type", "")), str(ev.get("message", "")), str(ev.get("peer_host", ""))
+            )
 
     if buckets is None:
         buckets = find_bucket_table(log_text)

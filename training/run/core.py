@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, RunConfig, config_to_dict
+from training.contract import DATA_CACHE_ENV
 from training.data.buckets import Position, format_bucket_table
 from training.data.corpus import default_cache_dir
 from training.data.dataset import TrainData, load_tokenized
@@ -411,9 +412,6 @@ def compiles(config: RunConfig, device: torch.device) -> bool:
     """Whether a run compiles: ``compile.enabled`` on, or auto on a GPU."""
     mode = config.compile.enabled
     return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
-DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # fleet's shared data cache of a workdir (one for all its runs)
 
 
 def data_cache_dir(config: RunConfig, default: Path) -> Path:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from training import contract
 from training.compile import warm
 from training.compile.cache import CounterReporter
 from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
@@ -587,7 +588,7 @@ def train_distributed(
         extra = {}
         if isinstance(peer, int) and 0 <= peer < len(ctx.peers):  # who was lost: for fab status
             lost = ctx.peers[peer]
-            extra = {"peer_rank": lost.rank, "peer_role": lost.role, "peer_host": lost.host}
+            extra = contract.peer_fields(lost.rank, lost.role, lost.host)
         events.error(exc, message, **extra)
         events.close()
         print(f"error: {message}", file=sys.stderr, flush=True)
