@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="the folder to write (replaced atomically)")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     warm = sub.add_parser(
-        "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
+        "warm", help="compile every shape of a config into a compile cache (training.run.warm)"
     )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     warm.add_argument("--cache-dir", default="", help=f"the cache root (default ${COMPILE_CACHE_ENV})")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             train(args.config, run_dir, extra)
         elif args.command == "warm":
             _check_overrides(extra)
-            from training.compile.warm import warm_main
+            from training.run.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
         elif args.command == "export":

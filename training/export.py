@@ -98,8 +98,8 @@ def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
 
 def run_target_config(config: RunConfig) -> tuple[Any, Any]:
     """(target HF config, tokenizer) of a run, without loading the target's weights."""
-    from training.compile.warm import target_config
     from training.model.target import load_tokenizer, model_source
+    from training.run.warm import target_config
 
     folder, tok_dir = model_source(config)
     return target_config(config, folder), load_tokenizer(tok_dir)

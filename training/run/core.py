@@ -3,7 +3,7 @@
 The single-process trainer (``training.run.single``: target and drafter in one process) and the
 drafter ranks of an N+M job (``training.run.distributed``) differ only in where hidden states come
 from and who writes what; everything else about training the drafter is here, written once,
-and so are the pieces ``training.run.plan`` (the split probe) and ``training.compile.warm`` (the compile
+and so are the pieces ``training.run.plan`` (the split probe) and ``training.run.warm`` (the compile
 warm-up) reuse:
 
     drafter_config, build_drafter     the run config's drafter, sharing the target's embedding/lm_head

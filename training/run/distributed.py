@@ -45,14 +45,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract
-from training.compile import warm
 from training.compile.cache import CounterReporter
 from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
 from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
-from training.run import core
+from training.run import core, warm
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.pipeline import (
     CREDIT,

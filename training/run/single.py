@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from training.compile import warm
 from training.config import RunConfig, load_config, write_config
 from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
@@ -38,7 +37,7 @@ from training.model.target import (
     resolve_device,
     target_forward,
 )
-from training.run import core
+from training.run import core, warm
 from training.run.checkpoint import CheckpointWriter, check_resumable
 from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
