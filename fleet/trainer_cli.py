@@ -3,7 +3,7 @@
 ``training/__main__.py`` defines the subcommands (``train``, ``warm``, ``plan``, ``resume-check``,
 ``export``); every argv here runs ``<python> -m <run.module> <subcommand> ...`` with the target's
 interpreter and its run's ``module``, ``config`` and ``overrides``. Runs over N+M ranks start the
-same ``train`` under ``training.topology`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop,
+same ``train`` under ``training.launch`` (torchrun, for which `fab stop`'s SIGTERM is a clean stop,
 exit 0, and whose single-node rendezvous is on 127.0.0.1, never the hostname).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fleet.inventory import MultiRunSpec, TargetSpec
 
-LAUNCHER = "training.topology"  # torchrun with fleet's clean-stop handling, shipped with the trainer
+LAUNCHER = "training.launch"  # torchrun with fleet's clean-stop handling, shipped with the trainer
 
 
 def _head(spec: TargetSpec, command: str) -> list[str]:
@@ -20,7 +20,7 @@ def _head(spec: TargetSpec, command: str) -> list[str]:
 
 def train(spec: TargetSpec, run_dir: str) -> list[str]:
     """``<python> -m <module> train --config C --run-dir D <overrides>``; with a topology N+M, under
-    ``-m training.topology --nproc-per-node=N+M`` with ``--topology N+M`` (gpus = 0: gloo on CPU)."""
+    ``-m training.launch --nproc-per-node=N+M`` with ``--topology N+M`` (gpus = 0: gloo on CPU)."""
     run = spec.run
     train_args = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
     if spec.topology is None:
@@ -30,7 +30,7 @@ def train(spec: TargetSpec, run_dir: str) -> list[str]:
 
 
 def node_train(spec: TargetSpec, run: MultiRunSpec, index: int, run_dir: str, run_id: str) -> list[str]:
-    """Host ``index`` of a run over several hosts: ``-m training.topology --nnodes=H --node-rank=I
+    """Host ``index`` of a run over several hosts: ``-m training.launch --nnodes=H --node-rank=I
     ... -m <module> train ... --topology N+M --placement ...``. The first host's agent serves the
     rendezvous (``is_host``); each host advertises its ``addr`` (``--local-addr``), by which c10d
     numbers the hosts (the inventory checks that order). The rendezvous id is the run id: agents of

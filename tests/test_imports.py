@@ -24,14 +24,14 @@ STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and import
 TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "training.contract"),  # stdlib only, shared with the controller
     ("training.config", "training.events"),
-    ("training.data", "training.compile", "training.wandb_logger", "training.topology", "training.assets"),
+    ("training.data", "training.compile", "training.wandb_logger", "training.topology", "training.launch"),
     ("training.model",),  # what is trained, against what
     ("training.run.checkpoint", "training.run.pipeline", "training.run.eval"),
     ("training.run.core",),  # what every driver runs
     ("training.run.warm", "training.run.resume_check"),  # what prepares or checks a run
     ("training.export",),
     ("training.run.single", "training.run.distributed", "training.run.plan"),  # the drivers
-    ("training.__main__", "training.selftest"),
+    ("training.__main__", "training.selftest", "training.assets"),  # entry points
 )
 # (importer, module it must not reach, directly or through others)
 MUST_NOT_REACH = (

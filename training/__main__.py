@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         "--topology",
         default="",
         metavar="N+M",
-        help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
+        help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.launch)",
     )
     train.add_argument(
         "--placement",

@@ -226,7 +226,7 @@ def _native_crash(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
 
 
 def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
-    """training.topology's one line for a torchrun rendezvous that did not come up."""
+    """training.launch's one line for a torchrun rendezvous that did not come up."""
     return Diagnosis(
         "rendezvous",
         f"torchrun's ranks did not meet: {m.group(1)}",

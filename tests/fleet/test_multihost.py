@@ -91,7 +91,7 @@ def test_each_host_runs_one_torchrun_agent_of_the_c10d_rendezvous() -> None:
     assert argv[:11] == [
         "/workspace/fleet/envs/train/current/bin/python",
         "-m",
-        "training.topology",
+        "training.launch",
         "--nnodes=2",
         "--node-rank=1",
         "--nproc-per-node=8",

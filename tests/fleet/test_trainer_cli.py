@@ -45,7 +45,7 @@ def test_train_single_process_and_the_managed_env_python() -> None:
 def test_train_under_torchrun_for_a_topology() -> None:
     spec = replace(SPEC, gpus=8, topology=Topology(5, 3))
     argv = trainer_cli.train(spec, "/w/runs/r")
-    assert argv[:5] == ["python3", "-m", "training.topology", "--nproc-per-node=8", "-m"]
+    assert argv[:5] == ["python3", "-m", "training.launch", "--nproc-per-node=8", "-m"]
     args, extra = parsed(["python3", *argv[4:]])
     assert (args.command, args.topology, extra) == ("train", "5+3", ["--train.steps=5"])
 

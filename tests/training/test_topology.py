@@ -195,7 +195,7 @@ def _torchrun(topology: str, run_dir: Path, extra: list[str], config: str = "tin
     return [
         sys.executable,
         "-m",
-        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
+        "training.launch",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
         f"--nproc-per-node={nproc}",
         "-m",
         "training",
