@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleet import runs, trainer_cli
 from fleet.errors import ConfigError, FleetError, RunError
+from fleet.fanout import fan_out, raise_first
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
 from fleet.status.model import RunStatus
 from fleet.target import Target, open_target
@@ -50,10 +50,8 @@ def opened(inv: Inventory, run: MultiRunSpec) -> Iterator[list[Target]]:
 
 
 def each(targets: Sequence[Target], work: Callable[[Target], T]) -> list[T]:
-    """``work`` on every host at once (one thread per host); the first host's error is raised."""
-    with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-        futures = [pool.submit(work, t) for t in targets]
-    return [f.result() for f in futures]
+    """``work`` on every host at once (:func:`fleet.fanout.fan_out`); the first host's error is raised."""
+    return raise_first(fan_out(targets, work, limit=len(targets)))
 
 
 def deploy(targets: Sequence[Target], repo_root: Path) -> list[str]:
