@@ -28,7 +28,7 @@ from fleet import runs, trainer_cli
 from fleet.errors import ConfigError, FleetError, RunError
 from fleet.fanout import fan_out, raise_first
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
-from fleet.status.model import RunStatus
+from fleet.status.model import RunStatus, State
 from fleet.target import Target, open_target
 
 if TYPE_CHECKING:
@@ -230,16 +230,16 @@ def verdict(run: MultiRunSpec, rows: Sequence[tuple[str, RunStatus | FleetError]
     states = [st for _, st in rows if isinstance(st, RunStatus)]
     errors = [(n, e) for n, e in rows if not isinstance(e, RunStatus)]
     worst = max(states, key=lambda st: st.exit_code, default=None)
-    state = "failed" if errors or worst is None else worst.state
-    code = 12 if state == "failed" else worst.exit_code if worst is not None else 12
+    state = State.FAILED if errors or worst is None else worst.state
+    code = State.FAILED.exit_code if state == State.FAILED or worst is None else worst.exit_code
     lost = lost_hosts(run, rows)
     cause = ""
     if lost:
         cause = f"host {', '.join(lost)} lost: the other hosts' ranks stopped waiting for it"
     elif errors:
         cause = "; ".join(f"{n}: {e}" for n, e in errors)
-    elif state == "failed":
-        failed = [(n, st) for n, st in rows if isinstance(st, RunStatus) and st.state == "failed"]
+    elif state == State.FAILED:
+        failed = [(n, st) for n, st in rows if isinstance(st, RunStatus) and st.state == State.FAILED]
         cause = "; ".join(f"{n}: {st.diagnosis[0].cause if st.diagnosis else 'failed'}" for n, st in failed)
     run_ids = {st.run_id for st in states if st.run_id}
     return {

@@ -35,6 +35,7 @@ from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
+from fleet.status.model import State
 from fleet.target import CommandResult, Target, scrub
 from training import contract
 
@@ -619,7 +620,7 @@ class RunSummary:
     """One run dir at a glance (``fab runs``)."""
 
     run_id: str
-    state: str  # live | finished | stopped | failed
+    state: State  # LIVE | FINISHED | STOPPED | FAILED
     step: int | None
     total_steps: int | None
     checkpoint_step: int | None  # the newest checkpoint: where `fab train --from` continues
@@ -639,13 +640,13 @@ def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
     step, phase = event("step"), event("phase").get("phase")
     exit_code = _int_or_none(fields.get("exit_code", ""))
     if fields.get("alive") == "1":
-        state = "live"
+        state = State.LIVE
     elif phase == "done" and exit_code in (0, None):
-        state = "finished"
+        state = State.FINISHED
     elif exit_code == 0 or (exit_code is None and phase == "stopped"):
-        state = "stopped"
+        state = State.STOPPED
     else:
-        state = "failed"
+        state = State.FAILED
     ck = contract.CHECKPOINT_RE.fullmatch(fields.get("checkpoint", ""))
     return RunSummary(
         run_id=run_id,

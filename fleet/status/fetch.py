@@ -24,7 +24,7 @@ from fleet import remote
 from fleet.errors import ConfigError, GpuGateError, RunError
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
-from fleet.status.model import GpuRow, RunFacts, RunStatus, build_status
+from fleet.status.model import GpuRow, RunFacts, RunStatus, State, build_status
 from training.contract import EVENTS_FILE, EXIT_CODE_FILE, LOG_FILE
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def never_status(name: str, workdir: str) -> RunStatus:
     """The status of a target with no run yet (state ``never``, exit 0)."""
     st = build_status(name, RunFacts(), "", "")
     note = f"no run under {workdir}/runs yet: `fab train` starts one"
-    return replace(st, state="never", notes=(note,))
+    return replace(st, state=State.NEVER, notes=(note,))
 
 
 def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool, RunFacts]:
