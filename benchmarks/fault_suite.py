@@ -70,6 +70,8 @@ class Suite:
         wrapper.chmod(0o755)
         self.config = self.tmp / "fleet.toml"
         self.reset()
+        self.base_config = self.tmp / "base.toml"
+        self.base_config.write_text(self.config.read_text())
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -144,7 +146,7 @@ class Suite:
         return found
 
     def stop_all(self) -> None:
-        self.fab("stop", "--force", timeout=60)
+        self.fab("stop", "--force", timeout=60, config=self.base_config)
         self.ct(self.tmux, "kill-server")
         kill_processes_naming(self.workdir)
 
@@ -408,19 +410,19 @@ def parallel_trains(s: Suite) -> tuple[int, int, str]:
 
 
 SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
+    "notify url with a control character": notify_bad_url,
+    "notify header outside latin-1": notify_bad_header,
+    "200 KB override": override_200k,
+    "container stopped": container_stopped,
     "tmux kill-server under a live run": tmux_dies,
     "connection drops while the launch's env travels": launch_connection_drops,
     "env current repointed under a live run": env_switched_under_run,
-    "notify url with a control character": notify_bad_url,
-    "notify header outside latin-1": notify_bad_header,
     "notify command hangs": notify_hangs,
     "kill -9 of the run's process group": group_kill_9,
     "runs/latest dangles": dangling_latest,
     "SSH sessions dropped under status --watch": watch_ssh_drop,
-    "200 KB override": override_200k,
     "corrupt state files": corrupt_state_files,
     "hostile overrides ($(), backticks, ;)": hostile_override,
-    "container stopped": container_stopped,
     "three parallel `fab train`": parallel_trains,
 }
 PENDING = {
@@ -496,6 +498,12 @@ def main() -> int:
                 )
             )
             suite.ct("rm", "-rf", "--", f"{suite.workdir}/runs", f"{suite.workdir}/envs")
+            r = rows[-1]
+            print(
+                f"{r.fault}: lost {r.lost}, secrets {r.secrets}, tracebacks {r.tracebacks}, "
+                f"wrong {r.wrong}; {r.note}",
+                flush=True,
+            )
     finally:
         stop.set()
         sampler.join(5)
