@@ -347,7 +347,7 @@ def corrupt_state_files(s: Suite) -> tuple[int, int, str]:
     wrong = 0
     for name, junk in [
         ("run.json", "{not json"),
-        ("exit_code", "x\x00y"),
+        ("exit_code", "x\x7fy"),
         ("pgid", "-1 1"),
         ("attempts.jsonl", "[[["),
         ("events.jsonl", "\x00\x01garbage\n{"),
