@@ -2,7 +2,8 @@
 
     python -m training train  --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
     python -m training eval   --run-dir DIR [--export FOLDER]
-    python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32]
+    python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32] [--gguf]
+    python -m training serve-bench --run-dir DIR [--draft-lengths N,N] [--prompts N] [--max-new-tokens N]
     python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
     python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
     python -m training resume-check --config NAME|PATH --run-dir DIR [--section.key=value ...]
@@ -59,6 +60,29 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
     export.add_argument("--out", required=True, type=Path, help="the folder to write (replaced atomically)")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    export.add_argument(
+        "--gguf", action="store_true", help="also the drafter + target as GGUF for llama.cpp, in <out>-gguf/"
+    )
+    export.add_argument(
+        "--target-model-dir",
+        type=Path,
+        default=None,
+        help="with --gguf: the target's HF folder (default: the run's)",
+    )
+    bench = sub.add_parser(
+        "serve-bench", help="the drafter in llama.cpp vs the target alone (training.engines)"
+    )
+    bench.add_argument("--run-dir", required=True, type=Path)
+    bench.add_argument(
+        "--draft-lengths", default="", metavar="N,N", help="default: 1, 3, block/2 - 1, block - 1"
+    )
+    bench.add_argument(
+        "--prompts", type=int, default=0, help="held-out prompts (default: all the run holds out)"
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the config's eval.max_new_tokens"
+    )
+    bench.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all cores)")
     warm = sub.add_parser(
         "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
     )
@@ -138,7 +162,26 @@ def main(argv: list[str] | None = None) -> int:
             from training.export import export_main
 
             run_dir = None  # export only reads the run dir: no error event in a live run's log
-            return export_main(args.run_dir, args.out, args.step, args.dtype)
+            return export_main(
+                args.run_dir,
+                args.out,
+                args.step,
+                args.dtype,
+                gguf=args.gguf,
+                target_model_dir=args.target_model_dir,
+            )
+        elif args.command == "serve-bench":
+            if extra:
+                raise_usage(f"unexpected argument {extra[0]!r}: see python -m training serve-bench --help")
+            from training.engines.serve_bench import parse_lengths, serve_bench
+
+            serve_bench(
+                run_dir,
+                draft_lengths=parse_lengths(args.draft_lengths),
+                num_prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                threads=args.threads,
+            )
         else:
             if extra:
                 raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir and --export")

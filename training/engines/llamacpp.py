@@ -340,8 +340,9 @@ def ensure_llamacpp(
         if (root / MANIFEST).is_file():  # another process built it while we waited
             return _as_build(root, pin)
         source = fetch_sdist(cache_root, pin, sdist, log)
+        for stale in cache_root.glob(f".{key}.*.tmp"):  # a killed build's leftovers (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = cache_root / f".{key}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             started = time.monotonic()
             _extract(source, pin, tmp / "src")
