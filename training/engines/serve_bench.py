@@ -77,6 +77,25 @@ class ServeBench:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def event_fields(self) -> dict[str, Any]:
+        """The ``serve_bench`` event (training/EVENTS.md): one list entry per row, the target alone first."""
+        return {
+            "step": self.step,
+            "prompts": self.prompts,
+            "backend": self.backend,
+            "draft_lengths": [r.draft for r in self.rows],
+            "tok_s": [r.tok_s for r in self.rows],
+            "mean_len": [r.mean_len for r in self.rows],
+            "accept_rate": [r.accept_rate for r in self.rows],
+            "identical": [r.identical for r in self.rows],
+            "best_draft": self.best_draft,
+            "best_speedup": self.best_speedup,
+            "engine_tau": self.engine_tau,
+            "project_tau": self.project_tau,
+            "agreement": self.agreement,
+            "all_identical": self.all_identical,
+        }
+
     def text(self) -> str:
         lines = [
             f"serve-bench step {self.step}: {self.prompts} held-out prompts x <= {self.max_new_tokens} "
@@ -118,7 +137,10 @@ def summarize(
         raise ValueError("runs[0] must be the target alone")
     rows = []
     for run in runs:
-        same = sum(a.tokens == b.tokens for a, b in zip(alone.completions, run.completions, strict=True))
+        same = sum(
+            (a.tokens, a.text) == (b.tokens, b.text)
+            for a, b in zip(alone.completions, run.completions, strict=True)
+        )
         rows.append(
             Row(
                 draft=run.draft,
@@ -211,7 +233,6 @@ def serve_bench(
         )
         if not prompts:
             raise ConfigError(f"{run_dir}: the run holds out no prompts (data.eval_prompts = 0)")
-        trainer.events.phase("serve_bench")
         with torch.no_grad():
             project = evaluate_acceptance(
                 trainer.target,
@@ -254,11 +275,8 @@ def serve_bench(
             target_gguf=pair.target,
             seconds=time.monotonic() - t0,
         )
-        body = result.to_json()
-        (run_dir / RESULT_FILE).write_text(json.dumps(body, indent=2) + "\n")
-        trainer.events.emit(
-            "serve_bench", **{k: v for k, v in body.items() if k != "rows"}, rows=body["rows"]
-        )
+        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        trainer.events.emit("serve_bench", **result.event_fields())
         print(result.text(), flush=True)
         return result
     finally:

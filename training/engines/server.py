@@ -121,6 +121,8 @@ class LlamaServer:
         }
         out = json.loads(_request(f"{self.url}/completion", body))
         timings = out.get("timings", {})
+        if "tokens" not in out or "predicted_n" not in timings:
+            raise EngineError(f"llama-server's /completion answered without tokens or timings: {sorted(out)}")
         return Completion(
             tokens=tuple(int(t) for t in out.get("tokens", ())),
             text=str(out.get("content", "")),
