@@ -294,19 +294,36 @@ def plan(c: Context, gpus: int = 0, json: bool = False, tokens_per_s: float = 0.
     help={
         "step": "export this checkpoint step (default: the newest)",
         "to": "then copy the folder to this local folder (replaced whole)",
+        "gguf": "also the drafter + its target as GGUF for llama.cpp (in <export>-gguf/ on the target)",
     }
 )
-def export(c: Context, step: int = -1, to: str = "") -> None:
+def export(c: Context, step: int = -1, to: str = "", gguf: bool = False) -> None:
     """Export the latest run's drafter as a folder SGLang/vLLM load (--to copies it here)."""
     from fleet import export as fleet_export
 
     with single_target(c) as target:
-        print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to).text())
+        print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to, gguf=gguf).text())
+
+
+@fleet_task(
+    name="serve-bench",
+    help={
+        "draft_lengths": "comma-separated draft lengths (default: 1, 3, block/2 - 1, block - 1)",
+        "prompts": "held-out prompts (default: all the run holds out)",
+    },
+)
+def serve_bench(c: Context, draft_lengths: str = "", prompts: int = 0) -> None:
+    """The latest run's drafter in llama.cpp vs the target alone: tok/s, speedup, acceptance."""
+    from fleet import export as fleet_export
+
+    with single_target(c) as target:
+        print(fleet_export.serve_bench(target, draft_lengths=draft_lengths, prompts=prompts))
 
 
 ns = Collection(
     deploy, train, runs, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan
 )
 ns.add_task(export)
+ns.add_task(serve_bench)
 ns.add_task(doctor)
 ns.add_task(warm)

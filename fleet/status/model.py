@@ -95,6 +95,51 @@ class LoadProgress:
 
 
 @dataclass(frozen=True)
+class ServeFigure:
+    """The drafter served by llama.cpp (``python -m training serve-bench``), against the target alone."""
+
+    backend: str
+    prompts: int
+    best_draft: int
+    best_speedup: float
+    alone_tok_s: float
+    best_tok_s: float
+    engine_tau: float
+    project_tau: float
+    identical: bool
+
+    @classmethod
+    def from_event(cls, ev: Mapping[str, Any]) -> ServeFigure | None:
+        drafts, rates, same = ev.get("draft_lengths"), ev.get("tok_s"), ev.get("identical")
+        prompts = _int(ev.get("prompts"))
+        if not (isinstance(drafts, list) and isinstance(rates, list) and isinstance(same, list) and prompts):
+            return None
+        if not drafts or len(drafts) != len(rates) or len(drafts) != len(same):
+            return None
+        best = _int(ev.get("best_draft"))
+        best_rate = next((r for d, r in zip(drafts, rates, strict=True) if d == best), rates[0])
+        return cls(
+            backend=str(ev.get("backend", "")),
+            prompts=prompts,
+            best_draft=best or 0,
+            best_speedup=_num(ev.get("best_speedup")) or 0.0,
+            alone_tok_s=float(rates[0]),
+            best_tok_s=float(best_rate),
+            engine_tau=_num(ev.get("engine_tau")) or 0.0,
+            project_tau=_num(ev.get("project_tau")) or 0.0,
+            identical=all(n == prompts for n in same),
+        )
+
+    def text(self) -> str:
+        same = "identical" if self.identical else "DIFFER"
+        return (
+            f"llama.cpp {self.backend}: {self.best_speedup:.2f}x at draft {self.best_draft} "
+            f"({self.alone_tok_s:,.0f} -> {self.best_tok_s:,.0f} tok/s), {self.engine_tau:.2f} per round "
+            f"(eval tau {self.project_tau:.2f}), greedy {same} on {self.prompts} prompts"
+        )
+
+
+@dataclass(frozen=True)
 class CompileCache:
     fxgraph_hit: int
     fxgraph_miss: int
@@ -212,6 +257,7 @@ class RunStatus:
     # and why the attempt before it ended ("exit 137", "config-error (not retryable)", ...).
     attempt: int = 1
     last_cause: str = ""
+    serve: ServeFigure | None = None  # the last `serve_bench` event: the drafter in llama.cpp
 
     def target_paths(self) -> list[tuple[str, list[int]]]:
         """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
@@ -437,6 +483,7 @@ def build_status(
     checkpoint = None
     error = None
     eval_tau = eval_tau_prompt = None
+    serve: ServeFigure | None = None
     targets: dict[int, TargetPath] = {}
     for ev in events:
         kind = ev["event"]
@@ -469,6 +516,8 @@ def build_status(
             )
             if _num(ev.get("seconds")) is not None:
                 checkpoint_times.append(float(ev["seconds"]))
+        elif kind == "serve_bench":
+            serve = ServeFigure.from_event(ev) or serve
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
             eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
@@ -567,6 +616,7 @@ def build_status(
         history=tuple((s["step"], _num(s.get("loss"))) for s in steps),
         attempt=_attempt(facts.attempts),
         last_cause=str(facts.attempts[-1].get("cause", "")) if facts.attempts else "",
+        serve=serve,
     )
 
 

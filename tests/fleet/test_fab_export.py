@@ -80,6 +80,7 @@ def test_export_argv() -> None:
         "/w/runs/r/export",
     ]
     assert export_argv("py", "training", "/r", "/o", 6)[-2:] == ["--step", "6"]
+    assert export_argv("py", "training", "/r", "/o", None, gguf=True)[-1] == "--gguf"
 
 
 def test_export_from_a_live_run_copies_the_folder_and_leaves_the_run_alone(
