@@ -42,6 +42,10 @@ def deploy(c: Context) -> None:
         release = fleet_deploy.deploy(target, repo_root())
         c.config["fleet_deployed"] = {target.name: release.id}  # `fab deploy train`: train skips a probe
         print(f"{target.name}: release {release.id} is current ({release.path})")
+        if target.spec.llamacpp != "off":
+            from fleet import engine
+
+            print(engine.ensure_llamacpp(target).text())
         if release.live_release:
             print(
                 f"{target.name}: the live run stays on release {release.live_release} (kept); "

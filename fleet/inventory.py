@@ -49,6 +49,7 @@ TARGET_KEYS = (
     "keep_releases",
     "keep_runs",
     "stall_window_s",
+    "llamacpp",
     "run",
     "commands",
     "gpu_gate",
@@ -165,6 +166,10 @@ class TargetSpec:
     keep_releases: int = 5
     keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
     stall_window_s: float = STALL_WINDOW_S
+    # `fab deploy` also builds llama.cpp (training.engines.llamacpp, cached on the target): "off",
+    # "cpu", or "auto" (CUDA where nvcc and a GPU are). Off by default: the first build takes
+    # minutes (tens of minutes on 2 cores); `fab export --gguf` / `fab serve-bench` build it anyway.
+    llamacpp: str = "off"
 
     @property
     def is_local(self) -> bool:
@@ -408,7 +413,20 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
         keep_runs=_int(raw, "keep_runs", key, path, default=TargetSpec.keep_runs, minimum=1),
         stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
+        llamacpp=_parse_llamacpp(key, raw, path),
     )
+
+
+LLAMACPP_MODES = ("off", "cpu", "auto")
+
+
+def _parse_llamacpp(key: str, raw: Mapping[str, Any], path: Path) -> str:
+    value = _str(raw, "llamacpp", key, path, default=TargetSpec.llamacpp)
+    if value not in LLAMACPP_MODES:
+        raise ConfigError(
+            f'{path}: {key}.llamacpp = {value!r}: use "off", "cpu" or "auto" (CUDA where nvcc is)'
+        )
+    return value
 
 
 def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSpec:
