@@ -73,6 +73,10 @@ NOTIFY_HEADERS_ENV = "FLEET_NOTIFY_HEADERS"
 NOTIFY_COMMAND_ENV = "FLEET_NOTIFY_COMMAND"
 NOTIFY_TARGET_ENV = "FLEET_NOTIFY_TARGET"
 NOTIFY_STALL_ENV = "FLEET_NOTIFY_STALL_S"
+# The machine's llama.cpp (training.engines.llamacpp), not a run's: a local copy of the pinned sdist
+# (machines without PyPI) and the build cache's root (default ~/.cache/fleet-llama.cpp).
+LLAMACPP_SDIST_ENV = "FLEET_LLAMACPP_SDIST"
+LLAMACPP_CACHE_ENV = "FLEET_LLAMACPP_CACHE"
 RUN_ENV = (
     COMPILE_CACHE_ENV,
     DATA_CACHE_ENV,

