@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise_usage(f"unexpected argument {extra[0]!r}: see python -m training serve-bench --help")
             from training.engines.serve_bench import parse_lengths, serve_bench
 
+            run_dir = None  # a failed benchmark is not the run's error: no error event, phase kept
             serve_bench(
-                run_dir,
+                args.run_dir,
                 draft_lengths=parse_lengths(args.draft_lengths),
                 num_prompts=args.prompts,
                 max_new_tokens=args.max_new_tokens,

@@ -73,3 +73,16 @@ def test_draft_lengths() -> None:
     assert default_draft_lengths(16) == [1, 3, 7, 15]
     assert default_draft_lengths(8) == [1, 3, 7]
     assert parse_lengths("7,3, 3") == [3, 7] and parse_lengths("") is None
+
+
+def test_serve_bench_of_a_dir_without_a_run_is_one_line_and_writes_no_event(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training.__main__ import main
+
+    assert main(["serve-bench", "--run-dir", str(tmp_path), "--draft-lengths", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert not (tmp_path / "events.jsonl").exists()
+    assert main(["serve-bench", "--run-dir", str(tmp_path), "--draft-lengths", "x"]) == 2
+    assert "--draft-lengths 'x'" in capsys.readouterr().err
