@@ -76,6 +76,7 @@ from training.compile.cache import (
 from training.config import ConfigError, RunConfig, config_to_dict, load_config
 from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
+from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
 
 if TYPE_CHECKING:
@@ -468,9 +469,18 @@ def prepare_compile(
     reporter = start(device, echo=echo)
     if config.compile.fail_on_recompile and prewarm_dtype is not None:
         shapes = compile_shapes(planner)
-        prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=prewarm_dtype, echo=echo)
-        if target is not None:
-            run_target_shapes(target, shapes, device=device, echo=echo, what="compiled target forward")
+        total = len(shapes) * (2 if target is not None else 1)
+        with Progress("compile", "pre-compiling the run's shapes", total, "shapes") as progress:
+
+            def shape_done(line: str) -> None:  # both warm-ups print one line per shape done
+                echo(line)
+                progress.advance()
+
+            bounds = planner.boundaries
+            prewarm(drafter, shapes, bounds, device=device, hidden_dtype=prewarm_dtype, echo=shape_done)
+            if target is not None:
+                what = "compiled target forward"
+                run_target_shapes(target, shapes, device=device, echo=shape_done, what=what)
         torch.compiler.set_stance("fail_on_recompile")
         echo(f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)")
     return reporter
