@@ -90,6 +90,7 @@ class Progress:
         self._echo_every_s = echo_every_s
         self._started = time.monotonic()
         self._last_echo = self._started
+        self._echoed = -1.0  # ``done`` at the last human line: a line only when it moved
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,8 +132,9 @@ class Progress:
             if self._emit is not None:
                 self._emit(**self.fields())
             now = time.monotonic()
-            if self._echo is not None and (force_echo or now - self._last_echo >= self._echo_every_s):
-                self._last_echo = now
+            due = now - self._last_echo >= self._echo_every_s and self.done != self._echoed
+            if self._echo is not None and (force_echo or due):
+                self._last_echo, self._echoed = now, self.done
                 self._echo(self.line())
 
     def _beat(self) -> None:

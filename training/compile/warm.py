@@ -359,7 +359,10 @@ def run_warm(
     device = resolve_device(config.model.device)
     set_threads(config)
     if not compiles(config, device):
-        echo(f"warm: compile.enabled={config.compile.enabled} does not compile on {device}: nothing to warm")
+        if not if_needed:  # `fab train` warms if needed on every launch: no line there for a no-op
+            why = "compile.enabled=auto compiles on GPUs only" if config.compile.enabled == "auto" else ""
+            why = why or f"compile.enabled={config.compile.enabled}"
+            echo(f"nothing to warm: this config runs without torch.compile on {device.type} ({why})")
         return None
     active = activate(root, device, load=False)
     cache = active.cache
