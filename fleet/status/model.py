@@ -59,6 +59,7 @@ from fleet.status.diagnose import (
     diagnose,
     find_traceback,
     killed_diagnosis,
+    resume_words,
 )
 from training.contract import BucketTable, find_bucket_table, parse_events
 
@@ -479,12 +480,15 @@ def build_status(
     progress: PhaseProgress | None = None
     progress_done: dict[tuple[int, str, str], float] = {}
     activity: float | None = None  # the last event that was not a beat without progress
+    stop_info: tuple[str, int | None] | None = None  # a stop's (phase it interrupted, resume step)
     for ev in events:
         kind = ev["event"]
         rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
         role = ev["role"] if isinstance(ev.get("role"), str) else "single"
         if kind != "progress":
             activity = float(ev["ts"])
+        if kind == "phase" and ev.get("phase") == "stopped" and isinstance(ev.get("during"), str):
+            stop_info = (ev["during"], _int(ev.get("resume_step")))
         if kind == "progress" and _num(ev.get("done")) is not None and _num(ev.get("total")) is not None:
             key = (rank, str(ev.get("phase", "")), str(ev.get("what", "")))
             done = float(ev["done"])
@@ -547,7 +551,11 @@ def build_status(
     diagnosis = diagnose(log_text, events)
     if facts.alive is False:
         killed = killed_diagnosis(
-            facts.exit_code, facts.stop_signal, facts.kernel_log_readable, facts.kernel_oom
+            facts.exit_code,
+            facts.stop_signal,
+            facts.kernel_log_readable,
+            facts.kernel_oom,
+            checkpoint.step if checkpoint else None,
         )
         diagnosis = [*diagnosis, killed] if killed else diagnosis  # the kill came last
     phase, phase_since = run_phase(events)
@@ -570,6 +578,10 @@ def build_status(
         note += f" (phase {phase}: {progress.text()}, still reported {age:.0f}s ago but not moving)"
     if note:
         notes.append(note)
+    if state == "stopped" and stop_info is not None:
+        during, resume_step = stop_info
+        where = "between steps" if during == "train" else f"during {during}"
+        notes.append(f"stopped {where}: {resume_words(resume_step)}")
 
     last = steps[-1] if steps else None
     step_median = {rank: median(rates) or 0.0 for rank, (_, rates) in step_rates.items()}
