@@ -609,7 +609,8 @@ def build_status(
         if progress is not None:  # a long phase: its own rate
             eta = progress.eta_s
         elif state == "training":
-            eta = eta_seconds(live_steps, buckets.batches_per_epoch if buckets else None)
+            bpe = buckets.batches_per_epoch if buckets else None
+            eta = eta_seconds(live_steps, bpe, origin=(phase_since, resumed_from or 0))
 
     return RunStatus(
         target=target,
@@ -684,7 +685,10 @@ def loss_trend(
 
 
 def eta_seconds(
-    steps: Sequence[Mapping[str, Any]], batches_per_epoch: int | None = None, window: int = 20
+    steps: Sequence[Mapping[str, Any]],
+    batches_per_epoch: int | None = None,
+    window: int = 20,
+    origin: tuple[float | None, int] = (None, 0),
 ) -> float | None:
     """Seconds to ``total_steps`` of one rank's step events, at the pace the rest will run.
 
@@ -692,18 +696,23 @@ def eta_seconds(
     caches the target's hidden states runs the target, the later ones do not). While that first
     epoch runs, the steps after it are priced without the target's share of a step (the step
     events' ``target_s`` of ``step_s``, training/EVENTS.md), given the epoch's length in batches
-    (the ``buckets`` event; one batch per step)."""
+    (the ``buckets`` event; one batch per step). With one step event so far, the pace is that
+    step's since ``origin`` (when training began, at which step): the first step's warm-up
+    included, so an overestimate until the second."""
     if not steps:
         return None
     last = steps[-1]
     epoch = _int(last.get("epoch"))
     same = [s for s in steps if _int(s.get("epoch")) == epoch]
     recent = list((same if len(same) >= 2 else steps)[-window:])
-    if len(recent) < 2:
+    if len(recent) >= 2:
+        first_ts, first_step = float(recent[0]["ts"]), int(recent[0]["step"])
+    elif origin[0] is not None:
+        first_ts, first_step = origin
+    else:
         return None
-    first = recent[0]
-    done = last["step"] - first["step"]
-    elapsed = float(last["ts"]) - float(first["ts"])
+    done = last["step"] - first_step
+    elapsed = float(last["ts"]) - first_ts
     total = _int(last.get("total_steps"))
     if done <= 0 or elapsed <= 0 or total is None:
         return None

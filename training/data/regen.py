@@ -174,7 +174,8 @@ def regenerated_data(
     path = cache_dir / "regen" / f"regen-{key}.jsonl"
     if path.is_file():
         return path
-    model, tokenizer = load()
+    with Progress("load_data", "loading the target to regenerate the data", 1, "models"):
+        model, tokenizer = load()
     echo(f"Regenerating the data: {len(prompts)} prompts, greedy replies of <= {max_new_tokens} tokens")
     started = time.monotonic()
     what = f"regenerating the data ({len(prompts)} greedy replies)"

@@ -286,7 +286,7 @@ class Trainer:
         cfg = self.config
         self.signals.install()  # already installed by __init__ unless train() runs again
         last_saved = self.step
-        first_compiles = self.compiled
+        first = True
         try:
             self._phase("train")
             while self.step < cfg.train.steps:
@@ -294,10 +294,11 @@ class Trainer:
                     return self._stop(last_saved)
                 t0 = time.monotonic()
                 batch = self.next_batch()
-                if first_compiles:  # minutes on a cold cache: progress events say it lives
-                    with Progress("train", "the first step (compiling its graphs)", 1, "steps"):
+                if first:  # compiles (minutes on a cold cache), warms up: progress events say it lives
+                    what = "the first step" + (" (compiling its graphs)" if self.compiled else "")
+                    with Progress("train", what, 1, "steps"):
                         result = self.train_step(batch)
-                    first_compiles = False
+                    first = False
                 else:
                     result = self.train_step(batch)
                 self.step += 1
