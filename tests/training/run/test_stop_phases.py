@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def _stop_when(proc: subprocess.Popen, events: Path, phase: str) -> list[dict]:
             if any(e["event"] == "progress" and e["phase"] == phase and e["done"] > 0 for e in found):
                 proc.send_signal(signal.SIGTERM)
                 break
+            time.sleep(0.2)
         assert proc.wait(timeout=600) == 0, proc.stdout.read() if proc.stdout else ""
     finally:
         if proc.poll() is None:
