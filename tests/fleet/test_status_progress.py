@@ -148,3 +148,20 @@ def test_a_forced_kill_tells_what_a_resume_will_find() -> None:
     assert "resumes from the checkpoint of step 40" in some.fix
     other = killed_diagnosis(137, "", True, (), checkpoint_step=None)
     assert other is not None and "starts the run again from step 1" in other.fix
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_ctrl_c_ends_a_watch_quietly(as_json: bool) -> None:
+    """`fab status --watch` exits 0 on Ctrl-C, as `fab logs --follow` does: watch returns None."""
+    from fleet.status.render import watch
+
+    first = status([*START, progress(10, 100)], now=11)
+    calls = iter([first])
+
+    def get():
+        try:
+            return next(calls)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    assert watch(get, 0.2, as_json=as_json) is None
