@@ -133,11 +133,11 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
         code = render.show(map_targets(c, fetch.fetch_status), as_json=json)  # exit: the worst state's
     else:  # one target, refreshed until its run ends
 
-        def follow(target: Target) -> RunStatus:
+        def follow(target: Target) -> RunStatus | None:
             return render.watch(lambda: fetch.fetch_status(target), interval, as_json=json)
 
         ((_name, st),) = map_targets(c, follow, allow_many=False, why_one="status --watch follows one target")
-        code = st.exit_code
+        code = st.exit_code if st is not None else 0  # None: ended with Ctrl-C
     if code:
         raise Exit(code=code)
 

@@ -23,7 +23,7 @@ STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and import
 # (a module is in the layer of its longest listed prefix).
 TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "training.contract"),  # stdlib only, shared with the controller
-    ("training.config", "training.events"),
+    ("training.config", "training.events", "training.progress"),
     (
         "training.data",
         "training.compile",

@@ -486,6 +486,37 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
+# The target's shape: what ``tiny`` and ``random`` build. A ``smol`` or ``pretrained`` target's own
+# config.json decides it, and the run's config.json records the loaded model's values
+# (``with_loaded_shape``) rather than these keys' defaults, which that run never used.
+MODEL_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+LOADED_KINDS = ("smol", "pretrained")
+
+
+def with_loaded_shape(config: RunConfig, target_config: Any) -> RunConfig:
+    """``config`` with [model]'s shape keys as the loaded target has them (``target_config``: its
+    text config), for a ``smol`` or ``pretrained`` target; other kinds unchanged."""
+    if config.model.kind not in LOADED_KINDS:
+        return config
+    values = {}
+    for key in MODEL_SHAPE_KEYS:
+        value = getattr(target_config, key, None)
+        if key == "head_dim" and not isinstance(value, int):  # Llama-style configs derive it
+            value = target_config.hidden_size // target_config.num_attention_heads
+        if isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **values))
+
+
 # What a checkpoint depends on: a resume must not change these (steps, lr, logging, eval may).
 RESUME_SECTIONS = ("model", "drafter", "data")
 RESUME_FREE_KEYS = frozenset(
@@ -499,13 +530,16 @@ def resume_mismatches(saved: dict[str, Any], current: RunConfig) -> list[str]:
     side has (an older fleet wrote the file) are not compared."""
     now = config_to_dict(current)
     changed = []
+    model = saved.get("model")
+    loaded = isinstance(model, dict) and model.get("kind") in LOADED_KINDS
+    free = RESUME_FREE_KEYS | ({f"model.{k}" for k in MODEL_SHAPE_KEYS} if loaded else set())
     for section in RESUME_SECTIONS:
         old, new = saved.get(section), now.get(section)
         if not isinstance(old, dict) or not isinstance(new, dict):
             continue
         for key in sorted(old.keys() & new.keys()):
             name = f"{section}.{key}"
-            if name not in RESUME_FREE_KEYS and _plain(old[key]) != _plain(new[key]):
+            if name not in free and _plain(old[key]) != _plain(new[key]):
                 changed.append(f"{name} {old[key]!r} -> {new[key]!r}")
     return changed
 
@@ -542,5 +576,6 @@ __all__ = [
     "read_config",
     "resume_mismatches",
     "target_shape",
+    "with_loaded_shape",
     "write_config",
 ]

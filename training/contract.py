@@ -166,6 +166,15 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
         "buckets": "buckets",
     },
     "load_progress": {"what": "str", "done": "int", "total": "int", "seconds": "float"},
+    "progress": {
+        "phase": "phase",
+        "what": "str",
+        "done": "float",
+        "total": "float",
+        "unit": "str",
+        "rate": "float",
+        "seconds": "float",
+    },
     "target": {
         "model_type": "str",
         "num_layers": "int",

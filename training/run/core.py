@@ -65,6 +65,7 @@ from training.model.target import (
     resolve_dtype,
     text_config,
 )
+from training.progress import Progress
 from training.run.checkpoint import (
     CheckpointWriter,
     SavedCheckpoint,
@@ -454,12 +455,14 @@ def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo
     data = config.data
     if data.regenerate and not data.path:
         data = replace(data, path=str(regenerate_data(config, tokenizer, echo)))
-    tokenized = load_tokenized(
-        data,
-        tokenizer,
-        default_cache_dir(config.model.cache_dir),
-        data_cache_dir(config, default_cache),
-    )
+    # One unit: datasets tokenizes (or finds its cached copy) in one call; the events say it lives.
+    with Progress("load_data", "tokenizing the data", 1, "data sets"):
+        tokenized = load_tokenized(
+            data,
+            tokenizer,
+            default_cache_dir(config.model.cache_dir),
+            data_cache_dir(config, default_cache),
+        )
     return TrainData(tokenized, data)
 
 
@@ -501,7 +504,8 @@ def load_run_target(
     started = time.monotonic()
     if events is not None:
         events.emit("load_progress", what="target", done=0, total=1, seconds=0.0)
-    target = load_model(config, folder)
+    with Progress("load_target", "loading the target", 1, "models"):
+        target = load_model(config, folder)
     check_vocab(target, tokenizer)
     seconds = time.monotonic() - started
     if events is not None:
