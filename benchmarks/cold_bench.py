@@ -45,7 +45,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a small drafter (CPU development)")
-    parser.add_argument("--per-variant-mask", action="store_true", help="one flex kernel per window")
     parser.add_argument("--eager-regions", action="store_true", help="only flex (and its mask) compiled")
     parser.add_argument("--threads", type=int, default=0, help="inductor compile_threads (0 = torch's)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -75,7 +74,6 @@ def main() -> int:
     from training.model.drafter import DFlashDrafter, DrafterConfig, sample_anchors
     from training.run import core
 
-    attention.set_shared_mask(not args.per_variant_mask)
     device = torch.device(args.device)
     if args.tiny:
         hidden, heads, kv, head_dim, inter, vocab, layers = 64, 4, 2, 16, 128, 512, 32
@@ -175,7 +173,7 @@ def main() -> int:
             flush=True,
         )
 
-    lock = open(args.lock, "w") if args.lock else None  # noqa: SIM115
+    lock = open(args.lock, "w") if args.lock else None
     if lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
     try:

@@ -232,8 +232,8 @@ smol() {  # smol-h200 on one GPU: GGUF conversion, data regeneration, training, 
     cp "$run/events.jsonl" "$OUT/smol_events.jsonl"
 }
 cold() {  # cold compile of the drafter step (qwen3-8b-h200 shape), variants side by side on disjoint cores:
-    # COLD_VARIANTS="label:cores:args;..." (default: today's per-variant mask vs the shared mask + a 2nd bucket)
-    local spec="${COLD_VARIANTS:-base:0-7:--per-variant-mask;shared:8-15:--lengths 4096,3296}" v label cores extra
+    # COLD_VARIANTS="label:cores:args;..." (default: the first bucket alone on every core)
+    local spec="${COLD_VARIANTS:-cold:0-$(($(nproc) - 1)):--lengths 4096}" v label cores extra
     local ktime="$PWD/benchmarks/gpu/ktime"; rm -f /tmp/cold.lock
     IFS=';' read -ra vs <<< "$spec"
     for v in "${vs[@]}"; do

@@ -104,21 +104,6 @@ def configure_compile(num_buckets: int, variants: int) -> int:
     return limit
 
 
-# A full layer's window: larger than any sequence, so the window test always passes.
-_NO_WINDOW = 1 << 30
-
-# One mask_mod for every layer type (the window and the in-block causality are tensors the
-# kernel reads, not constants it is specialised on): the full and the sliding layers then run
-# the same compiled flex kernels and block-mask builder, compiled once instead of once per
-# variant. Off = one specialised kernel per variant (the window folded in as a constant).
-_SHARED_MASK = {"enabled": True}
-
-
-def set_shared_mask(enabled: bool) -> None:
-    """One compiled mask kernel for every window (default) or one per window (benchmarks)."""
-    _SHARED_MASK["enabled"] = bool(enabled)
-
-
 def make_mask_mod(
     anchors: Tensor, context_len: int, block_size: int, window: int | None
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
@@ -126,25 +111,6 @@ def make_mask_mod(
     T = int(context_len)
     bs = int(block_size)
     last_block = int(anchors.shape[1]) - 1
-    if _SHARED_MASK["enabled"]:
-        # [window, both_ways]: a full layer has no window and sees its whole block both ways.
-        params = torch.tensor(
-            [_NO_WINDOW if window is None else int(window), int(window is None)],
-            dtype=torch.int64,
-            device=anchors.device,
-        )
-
-        def shared_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            blk = q_idx // bs
-            off = q_idx % bs
-            anchor = anchors[b, blk.clamp(max=last_block)]
-            is_ctx = kv_idx < T
-            ctx_ok = is_ctx & (kv_idx < anchor) & (kv_idx >= anchor + off - (params[0] - 1))
-            in_block = (~is_ctx) & ((kv_idx - T) // bs == blk)
-            own = in_block & (((kv_idx - T) % bs <= off) | (params[1] > 0))
-            return ctx_ok | own
-
-        return shared_mask_mod
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         blk = q_idx // bs
