@@ -119,5 +119,5 @@ def test_a_failed_install_is_one_line_naming_the_key(tmp_path: Path) -> None:
         blocker = Path(_root(a))
         blocker.parent.mkdir(parents=True)
         blocker.write_text("a file where the cache root should be")
-        with pytest.raises(RunError, match="could not list|could not install the compile artefact"):
+        with pytest.raises(RunError, match=r"could not install the compile artefact"):
             cs.push(a, store, _root(a))
