@@ -62,9 +62,9 @@ def deploy(c: Context) -> None:
 )
 def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "") -> None:
     """Start the configured run in tmux, or resume the latest one."""
+    from fleet import compile_share, multihost, runs
     from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
-    from fleet import multihost, runs
 
     if run := selected_run():  # one torchrun agent per host, joined by the c10d rendezvous
         if from_:
@@ -73,8 +73,9 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
             )
         deployed = bool(c.config.get("fleet_deployed", {}).get(run.name))
         with multihost.opened(inventory(), run) as targets:
+            store = compile_share.store_for(inventory().root)
             started = multihost.train(
-                targets, run, repo_root(), warm=not no_warm, fresh=fresh, deployed=deployed
+                targets, run, repo_root(), warm=not no_warm, fresh=fresh, deployed=deployed, store=store
             )
         print("\n".join(multihost.started_lines(run, started)))
         return
@@ -85,7 +86,8 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
             fleet_envs.refuse_drift(target, repo_root())  # `fab deploy` checked it when it ran just now
         fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
         if not no_warm:
-            runs.warm_cache(target, if_needed=True)  # compiles only when the key's cache is not complete
+            # compiles only when the key's cache is not complete (here, or on the controller)
+            runs.warm_cache(target, if_needed=True, store=compile_share.store_for(inventory().root))
         if plan.note:
             print(f"{target.name}: {plan.note}")
         print(runs.started_line(target.name, runs.start_run(target, plan=plan)))
@@ -175,10 +177,10 @@ def logs(c: Context, n: int = 40, follow: bool = False) -> None:
 @fleet_task(help={"force": "warm again even when the cache of this config is complete"})
 def warm(c: Context, force: bool = False) -> None:
     """Fill the compile cache for every shape (a smoke test too)."""
-    from fleet import runs
+    from fleet import compile_share, runs
 
     with single_target(c) as target:
-        if not runs.warm_cache(target, if_needed=not force):
+        if not runs.warm_cache(target, if_needed=not force, store=compile_share.store_for(inventory().root)):
             print(f"{target.name}: run.module is not the bundled trainer: nothing to warm")
 
 
