@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     regen.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     regen.add_argument("--reasoning", default="none", choices=("none", "save", "disable"))
     regen.add_argument("--num-samples", type=int, default=0, help="only the first N records (0 = all)")
+    regen.add_argument("--retry-errors", action="store_true", help="send the error file's records again")
     regen.add_argument("--json", action="store_true", help="the summary as one JSON object")
     return parser
 
@@ -107,6 +108,7 @@ def _regen(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         reasoning=args.reasoning,
         num_samples=args.num_samples,
+        retry_errors=args.retry_errors,
     )
     result = regenerate_file(args.input, args.output, settings)
     print(result.to_json() if args.json else result.text(), flush=True)

@@ -60,6 +60,7 @@ class RegenSettings:
     timeout_s: float = 600.0
     reasoning: str = "none"
     num_samples: int = 0  # 0 = all
+    retry_errors: bool = False  # send the records of the error file again (it is kept as X_error.jsonl.prev)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -338,6 +339,8 @@ def regenerate_file(
     error_path, skipped_path = side_paths(output)
     ledgers = (output, error_path, skipped_path)
     output.parent.mkdir(parents=True, exist_ok=True)
+    if settings.retry_errors and error_path.is_file():
+        error_path.replace(error_path.with_name(error_path.name + ".prev"))
     done = done_ids(ledgers)
     ids = [rid for rid, _ in read_inputs(input_path)]
     if len(set(ids)) != len(ids):

@@ -228,7 +228,12 @@ def server_regenerated_data(
     where = ", ".join(addresses)
     echo(f"Regenerating the data through {where}: {len(prompts)} prompts, <= {max_new_tokens} tokens")
     settings = RegenSettings(
-        servers=addresses, max_tokens=max_new_tokens, temperature=0.0, concurrency=concurrency, retries=3
+        servers=addresses,
+        max_tokens=max_new_tokens,
+        temperature=0.0,
+        concurrency=concurrency,
+        retries=3,
+        retry_errors=True,
     )
     result = regenerate_file(inputs, output, settings, quiet=True)
     echo(result.text())
@@ -237,7 +242,7 @@ def server_regenerated_data(
         raise RegenError(
             f"data.regen_servers: {result.error} of {result.input_records} prompts failed "
             f"({', '.join(sorted(result.errors_by_kind)) or 'see the files'}; {error_path}); the "
-            f"{result.success} replies are kept: fix the servers, move {error_path.name} away and start again"
+            f"{result.success} replies are kept: fix the servers and start again (failed ones are retried)"
         )
     complete.write_text(f"{result.success}\n", encoding="utf-8")
     return output

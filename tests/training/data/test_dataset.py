@@ -113,7 +113,8 @@ def test_bad_data_paths_are_config_errors(tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_tokenized(DataSection(path=str(tmp_path / "nope.jsonl")), tokenizer, tmp_path, tmp_path / "dc")
     _write_jsonl(tmp_path / "odd.jsonl", [{"prompt": "a", "completion": "b"}, {"question": "hello"}])
-    with pytest.raises(ConfigError, match=r"odd.jsonl line 2: a record of no known format \(keys found: question\)"):
+    unknown = r"odd.jsonl line 2: a record of no known format \(keys found: question\)"
+    with pytest.raises(ConfigError, match=unknown):
         load_tokenized(DataSection(path=str(tmp_path / "odd.jsonl")), tokenizer, tmp_path, tmp_path / "dc2")
 
 

@@ -142,7 +142,7 @@ def test_a_file_of_mixed_formats_is_refused(tokenizer, tmp_path: Path) -> None:
 
 def test_data_format_setting_is_enforced(tokenizer, tmp_path: Path) -> None:
     path = _write(tmp_path / "s.jsonl", [RECORDS["sharegpt"]], "jsonl")
-    with pytest.raises(ConfigError, match="the records are sharegpt, but data.format = 'specforge'"):
+    with pytest.raises(ConfigError, match=r"the records are sharegpt, but data\.format = 'specforge'"):
         load_tokenized(DataSection(path=str(path), format="specforge"), tokenizer, tmp_path, tmp_path / "dc")
 
 
