@@ -55,7 +55,7 @@ TARGET_KEYS = (
     "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart", "regen_servers")
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
@@ -120,6 +120,9 @@ class RunSpec:
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
     restart_backoff_s: float = 60.0
+    # OpenAI-compatible servers of the target model that `fab regen` sends prompts to (host:port or
+    # URLs, as seen from the target: SGLang, vLLM, llama-server).
+    regen_servers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -787,6 +790,13 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
     _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
     restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
     backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    servers = raw.get("regen_servers", [])
+    if not isinstance(servers, list) or not all(
+        isinstance(a, str) and a.strip() and not any(c.isspace() or c == "\0" for c in a) for a in servers
+    ):
+        raise ConfigError(
+            f'{path}: {rkey}.regen_servers must be a list of addresses; e.g. ["10.0.0.5:30000"]'
+        )
     return RunSpec(
         module=module,
         config=config,
@@ -794,6 +804,7 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
         env=MappingProxyType(dict(env)),
         restart_max=restart_max,
         restart_backoff_s=backoff,
+        regen_servers=tuple(servers),
     )
 
 
