@@ -40,14 +40,14 @@ from training.model.tinymodel import train_tokenizer
 REPO = Path(__file__).resolve().parents[3]
 
 
-def llama_server_binary() -> Path | None:
-    for candidate in (
-        os.environ.get("FLEET_LLAMA_SERVER", ""),
-        "/work/cache/llama/build-cpu/bin/llama-server",
-    ):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
+@pytest.fixture(scope="module")
+def server_bin(request: pytest.FixtureRequest) -> Path:
+    """llama-server: ``$FLEET_LLAMA_SERVER`` (a build made elsewhere), else the session's real
+    build (``llama_build``: training.engines.llamacpp, cached per machine)."""
+    given = os.environ.get("FLEET_LLAMA_SERVER", "")
+    if given:
+        return Path(given)
+    return request.getfixturevalue("llama_build").binary("llama-server")
 
 
 def _free_port() -> int:
@@ -59,12 +59,9 @@ def _free_port() -> int:
 class Server:
     """A llama-server process on a free port, started and awaited (``/health``)."""
 
-    def __init__(self, log: Path, ctx: int, slots: int, port: int = 0) -> None:
+    def __init__(self, binary: Path, log: Path, ctx: int, slots: int, port: int = 0) -> None:
         from training.model.smol import gguf_path
 
-        binary = llama_server_binary()
-        if binary is None:
-            pytest.skip("no llama-server build (FLEET_LLAMA_SERVER)")
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(self.port)]
@@ -93,8 +90,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = Server(tmp_path_factory.mktemp("llama") / "server.log", ctx=2048, slots=2)
+def server(server_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = Server(server_bin, tmp_path_factory.mktemp("llama") / "server.log", ctx=2048, slots=2)
     yield running
     running.stop()
 
@@ -192,7 +189,7 @@ def test_killed_midway_then_resumed_writes_every_prompt_exactly_once(server: Ser
     print(f"resume: killed after {at_kill}/{count}, done twice {done_twice}, lost {lost}")
 
 
-def test_a_refused_request_and_a_dying_server_lose_nothing(tmp_path: Path) -> None:
+def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp_path: Path) -> None:
     count = 10
     inputs = _prompts_file(tmp_path / "prompts.jsonl", count)
     with open(inputs, "a") as handle:  # longer than the server's context: HTTP 400, not retried
@@ -201,7 +198,7 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(tmp_path: Path) -> No
         )
     output = tmp_path / "out.jsonl"
     log = tmp_path / "server.log"
-    first = Server(log, ctx=1024, slots=1)
+    first = Server(server_bin, log, ctx=1024, slots=1)
     settings = RegenSettings(
         servers=(first.url,),
         max_tokens=32,
@@ -229,7 +226,7 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(tmp_path: Path) -> No
     assert errors.get("huge", "HTTP 400") == "HTTP 400"
     assert set(errors.values()) <= {"HTTP 400", "connection"}
 
-    second = Server(log, ctx=1024, slots=1, port=first.port)
+    second = Server(server_bin, log, ctx=1024, slots=1, port=first.port)
     try:
         retried = regenerate_file(
             inputs, output, RegenSettings(**{**settings.__dict__, "retry_errors": True}), quiet=True
