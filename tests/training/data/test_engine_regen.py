@@ -132,6 +132,7 @@ def test_pure_parts(tmp_path: Path) -> None:
     assert ledger.read_text().endswith('"b"}\n')
 
 
+@pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
 def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server, tmp_path: Path) -> None:
     inputs = _prompts_file(tmp_path / "prompts.jsonl", 8)
     skipped_input = {"id": "t", "text": "<|im_start|>user\nhi<|im_end|>\n"}
@@ -154,6 +155,7 @@ def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server
     assert (again.sent, again.done_before, again.success) == (0, 9, 8)
 
 
+@pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
 def test_killed_midway_then_resumed_writes_every_prompt_exactly_once(server: Server, tmp_path: Path) -> None:
     count = 12
     inputs = _prompts_file(tmp_path / "prompts.jsonl", count)
@@ -189,6 +191,7 @@ def test_killed_midway_then_resumed_writes_every_prompt_exactly_once(server: Ser
     print(f"resume: killed after {at_kill}/{count}, done twice {done_twice}, lost {lost}")
 
 
+@pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
 def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp_path: Path) -> None:
     count = 10
     inputs = _prompts_file(tmp_path / "prompts.jsonl", count)
