@@ -166,7 +166,8 @@ def data_files(data: DataSection, cache_dir: Path) -> tuple[str, list[str]]:
         )
         return "json", [str(corpus)]
     root = Path(data.path).expanduser()
-    if root.is_dir() and (root / "dataset_info.json").is_file() and (root / "state.json").is_file():
+    saved = (root / "state.json").is_file() or (root / "dataset_dict.json").is_file()
+    if root.is_dir() and saved:  # a save_to_disk folder (a Dataset, or a DatasetDict: its train split)
         return "disk", [str(root)]
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))

@@ -173,7 +173,8 @@ def _rows(path: Path) -> int:
     if path.is_dir():
         import datasets
 
-        return len(datasets.load_from_disk(str(path)))
+        loaded = datasets.load_from_disk(str(path))
+        return len(loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded)
     import pyarrow.parquet as pq
 
     return pq.ParquetFile(path).metadata.num_rows

@@ -76,8 +76,10 @@ def _write(path: Path, records: list[dict], kind: str) -> Path:
         table = datasets.Dataset.from_list(records)
         if kind == "parquet":
             table.to_parquet(str(path))
-        else:
+        elif kind == "disk":
             table.save_to_disk(str(path))
+        else:
+            datasets.DatasetDict({"train": table}).save_to_disk(str(path))
     return path
 
 
@@ -99,9 +101,9 @@ def test_each_format_labels_exactly_the_replies(tokenizer, tmp_path: Path, fmt: 
     assert _split(tokenizer, ids, mask) == (LABELLED, UNLABELLED, 2)
 
 
-@pytest.mark.parametrize("kind", ["json", "parquet", "disk"])
+@pytest.mark.parametrize("kind", ["json", "parquet", "disk", "disk-dict"])
 def test_json_parquet_and_save_to_disk_read_the_same(tokenizer, tmp_path: Path, kind: str) -> None:
-    name = {"json": "data.json", "parquet": "data.parquet", "disk": "saved"}[kind]
+    name = {"json": "data.json", "parquet": "data.parquet", "disk": "saved", "disk-dict": "saved-dict"}[kind]
     path = _write(tmp_path / name, [RECORDS["sharegpt"]] * 3, kind)
     rows = load_tokenized(DataSection(path=str(path), max_length=256), tokenizer, tmp_path, tmp_path / "dc")
     assert len(rows) == 3
