@@ -208,6 +208,22 @@ def chat(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         raise RequestError("bad response", exc.msg, True) from None
 
 
+def answering(urls: Sequence[str], timeout: float = 10.0) -> list[str]:
+    """The servers that answer ``GET /v1/models`` (SpecForge probes each server before it starts
+    too): a server down at the start is left out instead of turning every record into an error."""
+    found = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout) as response:
+                response.read()
+            found.append(url)
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+            print(
+                f"regen: server {url} does not answer ({getattr(exc, 'reason', exc)}); left out", flush=True
+            )
+    return found
+
+
 class Regenerator:
     """Sends conversations to the servers, retrying on the next one after a failure."""
 
@@ -351,6 +367,13 @@ def regenerate_file(
     todo = [(rid, rec) for rid, rec in read_inputs(input_path) if rid not in done]
     todo = todo[: max(0, total - len(done))]
     regen = Regenerator(settings)
+    if todo:
+        regen.urls = answering(regen.urls)
+        if not regen.urls:
+            raise RegenError(
+                f"regen: none of the servers answers ({', '.join(settings.servers)}); start them, check "
+                "the addresses (as this machine sees them), then run again: nothing was written"
+            )
     counts = {"success": 0, "error": 0, "skipped": 0}
     kinds: dict[str, int] = {}
     tokens = 0

@@ -27,6 +27,7 @@ import pytest
 from training.config import DataSection
 from training.data.dataset import load_tokenized
 from training.data.engine_regen import (
+    RegenError,
     RegenSettings,
     base_url,
     conversation,
@@ -130,6 +131,14 @@ def test_pure_parts(tmp_path: Path) -> None:
     ledger.write_text('{"_regen_id": "a"}\n{"_regen_id": "b"}\n{"_regen_id": "c", "conv')  # torn by a kill
     assert done_ids([ledger, tmp_path / "none.jsonl"]) == {"a", "b"}
     assert ledger.read_text().endswith('"b"}\n')
+
+
+def test_no_answering_server_writes_nothing(tmp_path: Path) -> None:
+    inputs = _prompts_file(tmp_path / "prompts.jsonl", 3)
+    closed = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(RegenError, match=r"none of the servers answers .*nothing was written"):
+        regenerate_file(inputs, tmp_path / "out.jsonl", RegenSettings(servers=(closed,)), quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
 
 
 @pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
