@@ -2,7 +2,7 @@
 greedy: ``data.regenerate``) and by llama-server (the same GGUF, greedy, through
 ``training.data.engine_regen``), the same prompts and the same max new tokens.
 
-    .venv/bin/python benchmarks/regen_bench.py --server-bin PATH/llama-server [--prompts 48]
+    .venv/bin/python benchmarks/regen_bench.py [--server-bin PATH/llama-server] [--prompts 48]
         [--max-tokens 64] [--batch 16] [--concurrency 4] [--threads 2]
 
 Prints one JSON line: replies, completion tokens and seconds of each path (tokens: the server's
@@ -95,7 +95,7 @@ def with_server(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--server-bin", required=True)
+    parser.add_argument("--server-bin", default="", help="llama-server; empty: the in-process path only")
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
@@ -105,9 +105,13 @@ def main() -> None:
     from training.data.regen import shipped_prompts
 
     prompts = shipped_prompts(args.prompts)
-    server = with_server(args.server_bin, prompts, args.max_tokens, args.concurrency, args.threads)
+    server = (
+        with_server(args.server_bin, prompts, args.max_tokens, args.concurrency, args.threads)
+        if args.server_bin
+        else {}
+    )
     local = in_process(prompts, args.max_tokens, args.batch, args.threads)
-    for row in (server, local):
+    for row in (server, local) if server else (local,):
         row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1) if row["seconds"] else 0.0
     load = os.getloadavg()[0]
     print(
