@@ -324,6 +324,53 @@ def serve_bench(c: Context, draft_lengths: str = "", prompts: int = 0) -> None:
         print(fleet_export.serve_bench(target, draft_lengths=draft_lengths, prompts=prompts))
 
 
+@fleet_task(help={"json": "print JSON"})
+def data(c: Context, json: bool = False) -> None:
+    """Report the run's data: records, tokens, drops, lengths, bucket plan."""
+    from fleet import runs
+
+    with single_target(c) as target:
+        print(runs.data_report(target, as_json=json))
+
+
+@fleet_task(
+    help={
+        "input": "JSONL on the target (conversations, messages or prompts); relative = in the release",
+        "output": "X.jsonl on the target (+ X_error.jsonl, X_skipped.jsonl); resumed when it exists",
+        "server": "host:port or URL, comma-separated (default: the inventory's run.regen_servers)",
+        "max_tokens": "per reply (default 4096)",
+        "temperature": "default 0.8 (0 = greedy)",
+        "concurrency": "requests in flight per server (default 64)",
+        "reasoning": "none | save (keep reasoning_content) | disable (thinking off)",
+        "retry_errors": "send the records of the error file again",
+    }
+)
+def regen(
+    c: Context,
+    input: str,
+    output: str,
+    server: str = "",
+    max_tokens: int = 4096,
+    temperature: float = 0.8,
+    concurrency: int = 64,
+    reasoning: str = "none",
+    retry_errors: bool = False,
+) -> None:
+    """Regenerate a data set's replies through the target's serving engines (resumable)."""
+    from fleet import runs
+
+    options = ["--max-tokens", str(max_tokens), "--temperature", str(temperature)]
+    options += [
+        "--concurrency",
+        str(concurrency),
+        "--reasoning",
+        reasoning,
+        *(["--retry-errors"] if retry_errors else []),
+    ]
+    with single_target(c) as target:
+        runs.regen(target, input, output, [a for a in server.split(",") if a.strip()], options)
+
+
 ns = Collection(
     deploy, train, runs, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan
 )
@@ -331,3 +378,5 @@ ns.add_task(export)
 ns.add_task(serve_bench)
 ns.add_task(doctor)
 ns.add_task(warm)
+ns.add_task(data)
+ns.add_task(regen)

@@ -57,7 +57,7 @@ TARGET_KEYS = (
     "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart", "regen_servers")
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
@@ -122,6 +122,9 @@ class RunSpec:
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
     restart_backoff_s: float = 60.0
+    # OpenAI-compatible servers of the target model that `fab regen` sends prompts to (host:port or
+    # URLs, as seen from the target: SGLang, vLLM, llama-server).
+    regen_servers: tuple[str, ...] = ()
     # The run's shape: ``config`` + ``overrides`` read with the trainer's own loader at inventory
     # load, so every task sizes the run from this one object. None where the controller cannot read
     # it: another module than the bundled trainer, or a config path on a remote target.
@@ -849,6 +852,13 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
     _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
     restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
     backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    servers = raw.get("regen_servers", [])
+    if not isinstance(servers, list) or not all(
+        isinstance(a, str) and a.strip() and not any(c.isspace() or c == "\0" for c in a) for a in servers
+    ):
+        raise ConfigError(
+            f'{path}: {rkey}.regen_servers must be a list of addresses; e.g. ["10.0.0.5:30000"]'
+        )
     loaded = None
     if module == RunSpec.module:
         loaded = _load_run_config(rkey, config, tuple(overrides), local, path)
@@ -859,6 +869,7 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
         env=MappingProxyType(dict(env)),
         restart_max=restart_max,
         restart_backoff_s=backoff,
+        regen_servers=tuple(servers),
         loaded=loaded,
     )
 

@@ -284,6 +284,52 @@ def plan(target: Target, gpus: int, *, as_json: bool) -> str:
     return res.stdout.rstrip("\n")
 
 
+def data_report(target: Target, *, as_json: bool) -> str:
+    """``fab data``: the run config's data report (``python -m training data``), on the target."""
+    spec = target.spec
+    argv = [spec.run_python, "-m", spec.run.module, "data", "--config", spec.run.config, *spec.run.overrides]
+    res = run_with_env(target, [*argv, *(["--json"] if as_json else [])])
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} data` failed "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); `fab deploy` first if "
+            "nothing is deployed"
+        )
+    return res.stdout.rstrip("\n")
+
+
+def regen_argv(
+    spec: TargetSpec, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> list[str]:
+    """``<python> -m <module> regen --input I --output O --server S ... <options>`` (paths as the
+    target sees them; relative ones are under the deployed release's folder)."""
+    argv = [spec.run_python, "-m", spec.run.module, "regen", "--input", input_path, "--output", output]
+    for server in servers:
+        argv += ["--server", server]
+    return [*argv, *options]
+
+
+def regen(
+    target: Target, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> None:
+    """``fab regen``: regeneration through the servers, run on the target next to the data, its
+    progress streamed; resumable (the trainer's ``regen`` keeps a ledger of done ids)."""
+    spec = target.spec
+    servers = list(servers) or list(spec.run.regen_servers)
+    if not servers:
+        raise ConfigError(
+            f"{target.name}: no regeneration server: give --server HOST:PORT or set "
+            f"[targets.{target.name}.run] regen_servers in the inventory"
+        )
+    res = run_with_env(target, regen_argv(spec, input_path, output, servers, options), stream=True)
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} regen` ended with exit {res.exit_code} "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); the done records are kept: "
+            "run `fab regen` again to resume (--retry-errors sends the failed ones again)"
+        )
+
+
 def env_file_text(env: Mapping[str, str]) -> bytes:
     """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh."""
     lines = []

@@ -7,6 +7,8 @@
     python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
     python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
     python -m training resume-check --config NAME|PATH --run-dir DIR [--section.key=value ...]
+    python -m training data   --config NAME|PATH [--json] [--section.key=value ...]
+    python -m training regen  --input FILE --output FILE --server ADDR [--server ADDR ...] [options]
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
@@ -90,7 +92,66 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     warm.add_argument("--cache-dir", default="", help=f"the cache root (default ${COMPILE_CACHE_ENV})")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
+    data = sub.add_parser("data", help="the data report: records, tokens, drops, lengths, bucket plan")
+    data.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
+    data.add_argument("--json", action="store_true", help="one JSON object instead of the text")
+    regen = sub.add_parser(
+        "regen", help="regenerate a data set's replies through OpenAI-compatible servers (resumable)"
+    )
+    regen.add_argument("--input", required=True, type=Path, help="JSONL: conversations, messages or prompts")
+    regen.add_argument(
+        "--output", required=True, type=Path, help="X.jsonl (+ X_error.jsonl, X_skipped.jsonl)"
+    )
+    regen.add_argument(
+        "--server", action="append", required=True, help="host:port or URL; repeat for several"
+    )
+    regen.add_argument("--model", default="default", help="the model name the servers expect")
+    regen.add_argument("--max-tokens", type=int, default=4096)
+    regen.add_argument("--temperature", type=float, default=0.8)
+    regen.add_argument("--concurrency", type=int, default=64, help="requests in flight per server")
+    regen.add_argument("--retries", type=int, default=4, help="per request, on the next server, with backoff")
+    regen.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    regen.add_argument("--reasoning", default="none", choices=("none", "save", "disable"))
+    regen.add_argument("--num-samples", type=int, default=0, help="only the first N records (0 = all)")
+    regen.add_argument("--retry-errors", action="store_true", help="send the error file's records again")
+    regen.add_argument("--json", action="store_true", help="the summary as one JSON object")
     return parser
+
+
+def _regen(args: argparse.Namespace) -> int:
+    """``regen``: exit 0 when every record is accounted for and none failed, 1 when some failed
+    (they are in the error file; the others are kept)."""
+    from training.data.engine_regen import RegenSettings, regenerate_file
+
+    settings = RegenSettings(
+        servers=tuple(args.server),
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        concurrency=args.concurrency,
+        retries=args.retries,
+        timeout_s=args.timeout,
+        reasoning=args.reasoning,
+        num_samples=args.num_samples,
+        retry_errors=args.retry_errors,
+    )
+    result = regenerate_file(args.input, args.output, settings)
+    print(result.to_json() if args.json else result.text(), flush=True)
+    return 0 if result.balanced and not result.error else 1
+
+
+def _data(config_name: str, overrides: list[str], as_json: bool) -> int:
+    from training.config import load_config
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import data_report, default_cache_dir
+
+    config = load_config(config_name, overrides)
+    _folder, tok_dir = model_source(config)
+    report = data_report(
+        config, load_tokenizer(tok_dir), default_cache_dir(config.model.cache_dir) / "data-cache"
+    )
+    print(report.to_json() if as_json else report.text(), flush=True)
+    return 0
 
 
 def _record_error(run_dir: Path | None, exc: BaseException) -> None:
@@ -130,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     args, extra = _parser().parse_known_args(argv)
+    if args.command in ("data", "regen"):  # read the data only: no run dir, no event
+        try:
+            if args.command == "regen":
+                if extra:
+                    raise_usage(f"unexpected argument {extra[0]!r}: see python -m training regen --help")
+                return _regen(args)
+            _check_overrides(extra)
+            return _data(args.config, extra, args.json)
+        except TrainingError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     if args.command == "resume-check":  # read-only: never writes an event into the run dir
         from training.run.resume_check import resume_check
 

@@ -119,7 +119,11 @@ class DrafterSection:
 class DataSection:
     """Training data. ``path`` "" = the default corpus (Python stdlib sources as completions)."""
 
-    path: str = ""
+    path: str = ""  # a .jsonl/.json/.parquet file, a folder of them, or a datasets save_to_disk folder
+    # auto | specforge | sharegpt | text | messages | completion (training.data.formats); a data set
+    # holds one format, "auto" takes the one its records have.
+    format: str = "auto"
+    reasoning: str = "keep"  # keep | drop: the <think> blocks of reasoning targets (training.data.formats)
     cache_dir: str = ""  # "" = <run-dir>/data-cache
     max_length: int = 512
     token_budget: int = 4096  # tokens per batch (padded length x sequences)
@@ -139,6 +143,11 @@ class DataSection:
     regen_prompts: int = 256
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16
+    # OpenAI-compatible servers of the target (comma-separated host:port or URLs; SGLang, vLLM,
+    # llama-server): the regeneration goes to them (training.data.engine_regen, greedy, the same
+    # prompts and max new tokens) instead of ``generate`` in this process.
+    regen_servers: str = ""
+    regen_concurrency: int = 8  # requests in flight per server
 
 
 @dataclass(frozen=True)
@@ -234,6 +243,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.architecture": ("qwen3", "qwen3_5"),
     "model.checkpoint_layout": ("text", "multimodal"),
+    "data.format": ("auto", "specforge", "sharegpt", "text", "messages", "completion"),
+    "data.reasoning": ("keep", "drop"),
     "wandb.mode": ("offline", "online"),
     "compile.enabled": ("auto", "on", "off"),
     "pipeline.order": ("free", "fixed"),

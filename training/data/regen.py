@@ -88,6 +88,20 @@ def regen_key(model_id: str, prompts: list[str], max_new_tokens: int, batch_size
     return digest.hexdigest()[:12]
 
 
+def regen_path(
+    cache_dir: Path, model_id: str, prompts: list[str], max_new_tokens: int, batch_size: int, dtype: str
+) -> Path:
+    """Where the in-process regenerated set of these settings is (or will be) kept."""
+    return (
+        cache_dir / "regen" / f"regen-{regen_key(model_id, prompts, max_new_tokens, batch_size, dtype)}.jsonl"
+    )
+
+
+def server_regen_folder(cache_dir: Path, model_id: str, prompts: list[str], max_new_tokens: int) -> Path:
+    """Where the set regenerated through servers is kept (``regen.jsonl``, ``complete`` when whole)."""
+    return cache_dir / "regen" / f"server-{regen_key(model_id, prompts, max_new_tokens, 0, 'server')}"
+
+
 def generate_completions(
     model: Any,
     tokenizer: Any,
@@ -170,8 +184,7 @@ def regenerated_data(
     prompts = shipped_prompts(count)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
-    key = regen_key(model_id, prompts, max_new_tokens, batch_size, dtype)
-    path = cache_dir / "regen" / f"regen-{key}.jsonl"
+    path = regen_path(cache_dir, model_id, prompts, max_new_tokens, batch_size, dtype)
     if path.is_file():
         return path
     with Progress("load_data", "loading the target to regenerate the data", 1, "models"):
@@ -195,3 +208,63 @@ def regenerated_data(
     finally:  # a stop or an error while writing leaves no temp file
         tmp.unlink(missing_ok=True)
     return path
+
+
+def server_regenerated_data(
+    cache_dir: Path,
+    model_id: str,
+    *,
+    count: int,
+    max_new_tokens: int,
+    servers: str,
+    concurrency: int,
+    echo: Callable[[str], None] = print,
+) -> Path:
+    """The regenerated set written by OpenAI-compatible servers of the target
+    (``training.data.engine_regen``): the same shipped prompts, greedy replies of at most
+    ``max_new_tokens`` tokens, as SpecForge conversations. Kept under the cache root keyed on the
+    model and the prompts; an interrupted or failed regeneration resumes with what is done, and the
+    file is used once every prompt has a reply."""
+    from training.data.engine_regen import RegenError, RegenSettings, regenerate_file
+
+    prompts = shipped_prompts(count)
+    if not prompts:
+        raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
+    folder = server_regen_folder(cache_dir, model_id, prompts, max_new_tokens)
+    output, complete = folder / "regen.jsonl", folder / "complete"
+    if complete.is_file():
+        return output
+    folder.mkdir(parents=True, exist_ok=True)
+    inputs = folder / "prompts.jsonl"
+    if not inputs.is_file():
+        tmp = folder / f".prompts.{os.getpid()}.tmp"
+        tmp.write_text(
+            "".join(
+                json.dumps({"id": f"p{i}", "conversations": [{"role": "user", "content": p}]}) + "\n"
+                for i, p in enumerate(prompts)
+            ),
+            encoding="utf-8",
+        )
+        tmp.replace(inputs)
+    addresses = tuple(a.strip() for a in servers.replace(" ", ",").split(",") if a.strip())
+    where = ", ".join(addresses)
+    echo(f"Regenerating the data through {where}: {len(prompts)} prompts, <= {max_new_tokens} tokens")
+    settings = RegenSettings(
+        servers=addresses,
+        max_tokens=max_new_tokens,
+        temperature=0.0,
+        concurrency=concurrency,
+        retries=3,
+        retry_errors=True,
+    )
+    result = regenerate_file(inputs, output, settings, quiet=True)
+    echo(result.text())
+    if result.error or result.skipped or not result.balanced:
+        error_path = output.with_name("regen_error.jsonl")
+        raise RegenError(
+            f"data.regen_servers: {result.error} of {result.input_records} prompts failed "
+            f"({', '.join(sorted(result.errors_by_kind)) or 'see the files'}; {error_path}); the "
+            f"{result.success} replies are kept: fix the servers and start again (failed ones are retried)"
+        )
+    complete.write_text(f"{result.success}\n", encoding="utf-8")
+    return output
