@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import testkit
 
 REPO = Path(__file__).resolve().parents[2]
 FAB = Path(sys.executable).parent / "fab"
 
 
 def fab(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env["FLEET_CONFIG"] = str(config)
-    return subprocess.run([str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return testkit.fab(*args, config=config, timeout=300)
 
 
 def local_config(tmp_path: Path, env: str = "", python: str = sys.executable) -> Path:
