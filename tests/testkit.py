@@ -517,7 +517,8 @@ class LocalTmux:
 
 @pytest.fixture
 def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
-    """Real tmux on a private socket dir (set as TMUX_TMPDIR for the test); its server killed after."""
+    """Real tmux on a private socket dir (set as TMUX_TMPDIR for the test); its server and everything
+    running under it killed after."""
     if shutil.which("tmux") is None:
         pytest.skip("tmux not installed")
     socket_dir = Path(tempfile.mkdtemp(prefix="fleet-tmux-", dir="/tmp"))  # short: socket paths are limited
@@ -525,7 +526,12 @@ def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
     monkeypatch.delenv("TMUX", raising=False)
     tmux = LocalTmux(socket_dir)
     yield tmux
+    # A run outlives its tmux server (run.sh ignores SIGHUP): whatever runs below the server is
+    # killed with it, pass or fail, so no test leaves its run behind.
+    server = tmux.run("display-message", "-p", "#{pid}", check=False).stdout.strip()
+    below = descendants(int(server)) - {int(server)} if server.isdigit() else set()
     tmux.run("kill-server", check=False)
+    kill([Proc(pid, "", "") for pid in below])
     shutil.rmtree(socket_dir, ignore_errors=True)
 
 
