@@ -16,6 +16,7 @@ At the end the session fails if a process it started is still alive (``testkit.l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,9 @@ import testkit
 from testkit import hosts, local_tmux, remote_fleet
 
 __all__ = ["hosts", "local_tmux", "remote_fleet"]
+
+# The dev group's packages the trainer's tests import (pyproject.toml, [dependency-groups] train).
+TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "gguf"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,6 +48,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     slow_groups = {_group(item) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: _group(item) not in slow_groups)  # stable: file order kept otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A test module that cannot import the trainer's packages (torch, ...: a machine without
+    `./bootstrap --dev`'s dev group) is skipped with that reason, not a collection error."""
+    report = yield
+    if report.failed and isinstance(collector, pytest.Module):
+        missing = re.search(r"No module named '([\w.]+)'", str(report.longrepr))
+        if missing and missing.group(1).split(".")[0] in TRAINER_PACKAGES:
+            report.outcome = "skipped"
+            report.longrepr = (
+                str(collector.path),
+                None,
+                f"Skipped: needs {missing.group(1)}, which is not installed here (./bootstrap --dev)",
+            )
+    return report
 
 
 def _group(item: pytest.Item) -> str:
