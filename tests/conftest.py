@@ -21,9 +21,9 @@ from collections.abc import Iterator
 
 import pytest
 import testkit
-from testkit import hosts, local_tmux, remote_fleet
+from testkit import hosts, llama_build, local_tmux, remote_fleet
 
-__all__ = ["hosts", "local_tmux", "remote_fleet"]
+__all__ = ["hosts", "llama_build", "local_tmux", "remote_fleet"]
 
 # The dev group's packages the trainer's tests import (pyproject.toml, [dependency-groups] train).
 TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "gguf"}

@@ -26,7 +26,6 @@ import copy
 import json
 import os
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -37,9 +36,7 @@ import numpy as np
 import torch
 
 from training.config import ConfigError
-
-CHECKPOINT_DIR = "checkpoints"
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
+from training.contract import CHECKPOINT_DIR, CHECKPOINT_RE, CONFIG_FILE, checkpoint_name
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
+    return checkpoint_dir(run_dir) / checkpoint_name(step)
 
 
 def check_resumable(config: Any, run_dir: Path) -> None:
@@ -69,7 +66,7 @@ def check_resumable(config: Any, run_dir: Path) -> None:
     data order silently)."""
     from training.config import ConfigError, resume_mismatches
 
-    saved_path = run_dir / "config.json"
+    saved_path = run_dir / CONFIG_FILE
     if not list_checkpoints(run_dir) or not saved_path.is_file():
         return
     try:
@@ -94,7 +91,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in folder.iterdir():
-        match = _NAME.match(path.name)
+        match = CHECKPOINT_RE.fullmatch(path.name)
         if match:
             found.append((int(match[1]), path))
     return sorted(found)

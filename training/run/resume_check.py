@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from training.config import ConfigError, load_config, resume_mismatches
+from training.contract import CONFIG_FILE, ResumePoint, format_resume_line
 from training.run.checkpoint import list_checkpoints
 
 
@@ -24,9 +25,9 @@ def resume_check(config_name: str, run_dir: Path, overrides: list[str]) -> int:
     config = load_config(config_name, overrides)
     found = list_checkpoints(run_dir)
     if not found:
-        print("none")
+        print(format_resume_line(None))
         return 0
-    saved_path = run_dir / "config.json"
+    saved_path = run_dir / CONFIG_FILE
     try:
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -36,5 +37,5 @@ def resume_check(config_name: str, run_dir: Path, overrides: list[str]) -> int:
         print(f"changed settings: {'; '.join(changed)}", file=sys.stderr)
         return 2
     step, path = found[-1]
-    print(f"checkpoint {step} {config.train.steps} {path.resolve()}")
+    print(format_resume_line(ResumePoint(step, config.train.steps, str(path.resolve()))))
     return 0
