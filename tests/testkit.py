@@ -372,13 +372,18 @@ def start_session_marker() -> str:
     return os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
 
-def _container_prefix() -> str:
-    """The name prefix of this checkout's test containers (`fleet-`, `fi-`, ...); "" without a host."""
+def _test_containers() -> set[str]:
+    """The test host's containers the suite uses: 200, 202 and the fresh-machine test's own
+    (tests/e2e/test_fresh_machine.py names it `<prefix>fresh`); empty without a test host. Other
+    containers of the same prefix (a benchmark's) are not the suite's business."""
     if not HOSTS_ENV.exists():
-        return ""
+        return set()
     facts = parse_hosts_env(HOSTS_ENV.read_text())
     name, ct_id = facts.get("FLEET_TEST_CT_NAME", ""), facts.get("FLEET_TEST_CT_ID", "")
-    return name.removesuffix(f"ct{ct_id}") if name.endswith(f"ct{ct_id}") and ct_id else ""
+    names = {name, facts.get("FLEET_TEST_PEER_CT_NAME", "")}
+    if ct_id and name.endswith(f"ct{ct_id}"):
+        names.add(f"{name.removesuffix(f'ct{ct_id}')}fresh")
+    return {n for n in names if n}
 
 
 def _processes() -> Iterator[tuple[int, Path]]:
@@ -399,21 +404,19 @@ def _is_zombie(proc: Path) -> bool:
     return ") Z " in stat or not stat
 
 
-def _container_of(proc: Path, prefix: str) -> str:
-    """The LXC container (of this checkout's prefix) that ``proc`` runs in, or ""."""
+def _container_of(proc: Path, names: set[str]) -> str:
+    """The container (one of ``names``) that ``proc`` runs in, or "" (its cgroup names it)."""
     for line in _read(proc / "cgroup").decode(errors="replace").splitlines():
         for part in line.split("/"):
-            if part.startswith(f"lxc.payload.{prefix}"):
+            if part.startswith("lxc.payload.") and part.removeprefix("lxc.payload.") in names:
                 return part.removeprefix("lxc.payload.")
     return ""
 
 
 def container_processes() -> set[int]:
-    """PIDs of every process in this checkout's test containers (their cgroup names them)."""
-    prefix = _container_prefix()
-    if not prefix:
-        return set()
-    return {pid for pid, proc in _processes() if _container_of(proc, prefix)}
+    """PIDs of every process in the test host's containers."""
+    names = _test_containers()
+    return {pid for pid, proc in _processes() if _container_of(proc, names)} if names else set()
 
 
 def note_container_processes() -> None:
@@ -423,10 +426,10 @@ def note_container_processes() -> None:
 
 def leftovers(grace: float = 15.0) -> list[Proc]:
     """Processes the tests started that are still alive: ones carrying this session's marker in
-    their environment, and ones in this checkout's test containers that were not there at the
-    start. Waits up to ``grace`` seconds for processes on their way out."""
+    their environment, and ones in the test host's containers that were not there at the start.
+    Waits up to ``grace`` seconds for processes on their way out."""
     marker = f"{SESSION_ENV}={os.environ.get(SESSION_ENV, '')}\0".encode()
-    prefix = _container_prefix()
+    names = _test_containers()
     deadline = time.monotonic() + grace
     while True:
         found = []
@@ -436,7 +439,7 @@ def leftovers(grace: float = 15.0) -> list[Proc]:
             where = ""
             if os.environ.get(SESSION_ENV) and marker in _read(proc / "environ"):
                 where = "this machine"
-            elif prefix and pid not in _container_pids_at_start and (ct := _container_of(proc, prefix)):
+            elif names and pid not in _container_pids_at_start and (ct := _container_of(proc, names)):
                 where = f"container {ct}"
             if where:
                 argv = _read(proc / "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
