@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testkit import LocalTmux, render_inventory, run_fab
+from testkit import LocalTmux, fab, render_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -42,12 +42,12 @@ def _fleet(tmp_path: Path, cache: Path, config: str, overrides: list[str]) -> Pa
 
 def _start(config: Path, env: dict[str, str]) -> None:
     for args in (["deploy"], ["train", "--no-warm"]):
-        result = run_fab(args, config, env=env)
+        result = fab(*args, config=config, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _status(config: Path, env: dict[str, str]) -> dict[str, Any]:
-    result = run_fab(["status", "--json"], config, env=env)
+    result = fab("status", "--json", config=config, env=env)
     data = json.loads(result.stdout)
     data["polled_at"] = time.time()
     return data
@@ -65,7 +65,7 @@ def _poll_until(config: Path, env: dict[str, str], done: Any, polls: int = 2000)
 
 def _stop(config: Path, env: dict[str, str]) -> tuple[float, dict[str, Any]]:
     """`fab stop`; the seconds the run took to end after SIGTERM (fab stop's own measure)."""
-    result = run_fab(["stop"], config, env=env)
+    result = fab("stop", config=config, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     ended = re.search(r"the run ended ([\d.]+)s later with exit code 0", result.stdout)
     assert ended, result.stdout
@@ -99,7 +99,7 @@ def test_status_shows_each_long_phase_with_a_fraction_and_an_eta(
             assert st["step"] is not None or st["progress"] is not None, st
             if st["step"] is not None:
                 assert st["total_steps"] and st["eta_s"] is not None, st
-    text = run_fab(["status"], config, env=env).stdout
+    text = fab("status", config=config, env=env).stdout
     assert "finished" in text and "6/6" in text
 
 

@@ -506,7 +506,7 @@ def test_task_with_log_prints_json_and_returns_the_state_code(capsys: pytest.Cap
 
 def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path: Path) -> None:
     """deploy + train the selftest on the local target, then `fab status --json` until finished."""
-    from testkit import render_inventory, run_fab
+    from testkit import fab, render_inventory
 
     target = {
         "host": "local",
@@ -521,11 +521,11 @@ def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path
     config.write_text(render_inventory({"loc": target}, "loc"))
     env = {"TMUX_TMPDIR": str(local_tmux.socket_dir)}
     for args in (["deploy"], ["train"]):
-        result = run_fab(args, config, env=env)
+        result = fab(*args, config=config, env=env)
         assert result.returncode == 0, result.stderr
     seen: list[str] = []
     for _ in range(200):  # a generous bound on polls, not a timing
-        result = run_fab(["status", "--json"], config, env=env)
+        result = fab("status", "--json", config=config, env=env, in_process=True)  # polls: no start-up
         data = json.loads(result.stdout)
         seen.append(data["state"])
         if data["state"] == "finished":
@@ -533,7 +533,7 @@ def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path
         time.sleep(0.3)
     assert seen[-1] == "finished" and result.returncode == 0
     assert data["step"] == 6 and data["run_id"] and data["release"]
-    text = run_fab(["status"], config, env=env)
+    text = fab("status", config=config, env=env)
     assert "finished" in text.stdout and "6/6" in text.stdout
 
 
@@ -603,11 +603,11 @@ def test_fab_status_log_alone_ending_in_a_fatal_error_is_failed(
     tmp_path: Path, log: str, signature: str
 ) -> None:
     """`fab status --log FILE`: no events, no process facts; a log whose tail is fatal has failed."""
-    from testkit import run_fab
+    from testkit import fab
 
     config = tmp_path / "fleet.toml"
     config.write_text('[targets.x]\nhost = "local"\nworkdir = "w"\n')
-    result = run_fab(["status", "--json", "--log", str(LOGS / log)], config)
+    result = fab("status", "--json", "--log", str(LOGS / log), config=config, in_process=True)
     assert result.returncode == 12, result.stdout + result.stderr
     data = json.loads(result.stdout)
     assert data["state"] == "failed" and [d["signature"] for d in data["diagnosis"]] == [signature]

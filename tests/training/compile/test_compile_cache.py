@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import testkit
 import torch
 from testkit import TINY_COMPILE_OVERRIDES
 
@@ -198,12 +199,9 @@ def test_warm_if_needed_skips_a_complete_cache_and_off_compiles_nothing(
 
 # ------------------------------------------------------------------ the real thing (slow)
 def _fab(config: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_TARGET"}
-    env["FLEET_CONFIG"] = str(config)
+    env = {k: v for k, v in os.environ.items() if k.startswith("FLEET_TRAINING")}  # the tiny cache
     env["TMUX_TMPDIR"] = str(config.parent / "tmux")  # a private tmux server, killed at teardown
-    return subprocess.run(
-        [str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return testkit.fab(*args, config=config, env=env, timeout=timeout)
 
 
 def _wait_for_exit(run_dir: Path, timeout: float = 900) -> int:
