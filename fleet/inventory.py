@@ -50,13 +50,14 @@ TARGET_KEYS = (
     "keep_releases",
     "keep_runs",
     "stall_window_s",
+    "llamacpp",
     "run",
     "commands",
     "gpu_gate",
     "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart", "regen_servers")
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
@@ -121,6 +122,9 @@ class RunSpec:
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
     restart_backoff_s: float = 60.0
+    # OpenAI-compatible servers of the target model that `fab regen` sends prompts to (host:port or
+    # URLs, as seen from the target: SGLang, vLLM, llama-server).
+    regen_servers: tuple[str, ...] = ()
     # The run's shape: ``config`` + ``overrides`` read with the trainer's own loader at inventory
     # load, so every task sizes the run from this one object. None where the controller cannot read
     # it: another module than the bundled trainer, or a config path on a remote target.
@@ -170,6 +174,10 @@ class TargetSpec:
     keep_releases: int = 5
     keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
     stall_window_s: float = STALL_WINDOW_S
+    # `fab deploy` also builds llama.cpp (training.engines.llamacpp, cached on the target): "off",
+    # "cpu", or "auto" (CUDA where nvcc and a GPU are). Off by default: the first build takes
+    # minutes (tens of minutes on 2 cores); `fab export --gguf` / `fab serve-bench` build it anyway.
+    llamacpp: str = "off"
 
     @property
     def is_local(self) -> bool:
@@ -416,7 +424,20 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
         keep_runs=_int(raw, "keep_runs", key, path, default=TargetSpec.keep_runs, minimum=1),
         stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
+        llamacpp=_parse_llamacpp(key, raw, path),
     )
+
+
+LLAMACPP_MODES = ("off", "cpu", "auto")
+
+
+def _parse_llamacpp(key: str, raw: Mapping[str, Any], path: Path) -> str:
+    value = _str(raw, "llamacpp", key, path, default=TargetSpec.llamacpp)
+    if value not in LLAMACPP_MODES:
+        raise ConfigError(
+            f'{path}: {key}.llamacpp = {value!r}: use "off", "cpu" or "auto" (CUDA where nvcc is)'
+        )
+    return value
 
 
 def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSpec:
@@ -831,6 +852,13 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
     _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
     restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
     backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    servers = raw.get("regen_servers", [])
+    if not isinstance(servers, list) or not all(
+        isinstance(a, str) and a.strip() and not any(c.isspace() or c == "\0" for c in a) for a in servers
+    ):
+        raise ConfigError(
+            f'{path}: {rkey}.regen_servers must be a list of addresses; e.g. ["10.0.0.5:30000"]'
+        )
     loaded = None
     if module == RunSpec.module:
         loaded = _load_run_config(rkey, config, tuple(overrides), local, path)
@@ -841,6 +869,7 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
         env=MappingProxyType(dict(env)),
         restart_max=restart_max,
         restart_backoff_s=backoff,
+        regen_servers=tuple(servers),
         loaded=loaded,
     )
 

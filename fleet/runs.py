@@ -26,10 +26,10 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from fleet import remote, trainer_cli
+from fleet import compile_share, remote, trainer_cli
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
@@ -247,19 +247,28 @@ def failure_summary(output: str, exit_code: int) -> str:
     return tail_lines(output, 3) or f"exit {exit_code}"
 
 
-def warm_cache(target: Target, *, if_needed: bool) -> bool:
+def warm_cache(target: Target, *, if_needed: bool, store: Path | None = None) -> bool:
     """``fab warm`` (and ``fab train`` unless --no-warm): compile the run config's shapes into the
     target's compile cache, in ``<workdir>/current``, output streamed. Skipped (False) when the run
-    module is not the bundled trainer. The run's env arrives on stdin as for a run (never in argv)."""
+    module is not the bundled trainer. The run's env arrives on stdin as for a run (never in argv).
+    ``store``: the controller's compile artefacts (``fleet.compile_share``), pushed to the target
+    first (a key another host warmed is then warm here) and pulled back after."""
     spec = target.spec
     if spec.run.module != "training":
         return False
+    root = spec.layout.compile_cache
+    if store is not None:
+        for key in compile_share.push(target, store, root):
+            print(f"{target.name}: compile cache {key} shipped from the controller", flush=True)
     res = run_with_env(target, trainer_cli.warm(spec, if_needed=if_needed), stream=True)
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: compile-cache warm-up failed ({failure_summary(res.stderr, res.exit_code)}); "
             "fix it (`fab deploy` if nothing is deployed) or start without it: `fab train --no-warm`"
         )
+    if store is not None:
+        for key in compile_share.pull(target, store, root):
+            print(f"{target.name}: compile cache {key} kept on the controller ({store / key})", flush=True)
     return True
 
 
@@ -273,6 +282,52 @@ def plan(target: Target, gpus: int, *, as_json: bool) -> str:
             "nothing is deployed"
         )
     return res.stdout.rstrip("\n")
+
+
+def data_report(target: Target, *, as_json: bool) -> str:
+    """``fab data``: the run config's data report (``python -m training data``), on the target."""
+    spec = target.spec
+    argv = [spec.run_python, "-m", spec.run.module, "data", "--config", spec.run.config, *spec.run.overrides]
+    res = run_with_env(target, [*argv, *(["--json"] if as_json else [])])
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} data` failed "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); `fab deploy` first if "
+            "nothing is deployed"
+        )
+    return res.stdout.rstrip("\n")
+
+
+def regen_argv(
+    spec: TargetSpec, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> list[str]:
+    """``<python> -m <module> regen --input I --output O --server S ... <options>`` (paths as the
+    target sees them; relative ones are under the deployed release's folder)."""
+    argv = [spec.run_python, "-m", spec.run.module, "regen", "--input", input_path, "--output", output]
+    for server in servers:
+        argv += ["--server", server]
+    return [*argv, *options]
+
+
+def regen(
+    target: Target, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> None:
+    """``fab regen``: regeneration through the servers, run on the target next to the data, its
+    progress streamed; resumable (the trainer's ``regen`` keeps a ledger of done ids)."""
+    spec = target.spec
+    servers = list(servers) or list(spec.run.regen_servers)
+    if not servers:
+        raise ConfigError(
+            f"{target.name}: no regeneration server: give --server HOST:PORT or set "
+            f"[targets.{target.name}.run] regen_servers in the inventory"
+        )
+    res = run_with_env(target, regen_argv(spec, input_path, output, servers, options), stream=True)
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} regen` ended with exit {res.exit_code} "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); the done records are kept: "
+            "run `fab regen` again to resume (--retry-errors sends the failed ones again)"
+        )
 
 
 def env_file_text(env: Mapping[str, str]) -> bytes:

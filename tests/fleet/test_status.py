@@ -159,6 +159,37 @@ def test_transitions_through_a_whole_run() -> None:
     assert (ended.eval_tau, ended.eval_tau_prompt) == (1.5, 1.25)
 
 
+def test_a_serve_bench_after_the_run_is_a_line_and_keeps_it_finished() -> None:
+    run = [
+        *START,
+        ev(1, "phase", phase="train"),
+        step(2, 1),
+        ev(3, "phase", phase="done"),
+        ev(4, "done", steps=1, seconds=1.0),
+    ]
+    bench = {
+        "step": 1,
+        "prompts": 16,
+        "backend": "cuda",
+        "draft_lengths": [0, 3, 15],
+        "tok_s": [400.0, 700.0, 650.0],
+        "mean_len": [1.0, 2.0, 2.3],
+        "accept_rate": [0.0, 0.33, 0.09],
+        "identical": [16, 16, 15],
+        "best_draft": 3,
+        "best_speedup": 1.75,
+        "engine_tau": 2.3,
+        "project_tau": 2.25,
+    }
+    st = status([*run, ev(5, "serve_bench", **bench)], RunFacts(alive=False, exit_code=0, now=T0 + 20))
+    assert st.state == "finished" and st.serve is not None
+    assert st.serve.text() == (
+        "llama.cpp cuda: 1.75x at draft 3 (400 -> 700 tok/s), 2.30 per round (eval tau 2.25), "
+        "greedy DIFFER on 16 prompts"
+    )
+    assert status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20)).serve is None
+
+
 def test_exit_codes_are_distinct_for_unhealthy_states() -> None:
     bad = [STATE_EXIT_CODES[s] for s in ("stopped", "stalled", "failed")]
     assert len(set(bad)) == 3 and 0 not in bad
