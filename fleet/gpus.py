@@ -24,6 +24,7 @@ from rich.table import Table
 
 from fleet import remote
 from fleet.errors import FleetError, GpuGateError
+from fleet.remote import Answer
 
 if TYPE_CHECKING:
     from fleet.inventory import TargetSpec
@@ -97,14 +98,6 @@ class ProcessInfo:
     pgid: int
     user: str
     args: str
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What one nvidia-smi (or ps) call printed and its exit status."""
-
-    exit_code: int
-    output: str
 
 
 @dataclass(frozen=True)
@@ -254,17 +247,8 @@ def parse_ps(text: str) -> dict[int, ProcessInfo]:
 
 
 def parse_probe(text: str, where: str) -> Probe:
-    """Split ``remote/gpu_probe.sh``'s output into its ``@@fleet <part> <rc>`` sections."""
-    parts: dict[str, Answer] = {}
-    name, code, lines = "", 0, []
-    for line in [*text.splitlines(), "@@fleet end 0"]:
-        if line.startswith("@@fleet "):
-            if name:
-                parts[name] = Answer(code, "\n".join(lines).strip("\n"))
-            _, name, rc = line.split(" ", 2)
-            code, lines = int(rc), []
-        elif name:
-            lines.append(line)
+    """``remote/gpu_probe.sh``'s answers (``remote.parse_answers``) as a :class:`Probe`."""
+    parts = remote.parse_answers(text)
     if "query" not in parts:
         raise GpuGateError(f"{where}: the GPU probe printed no nvidia-smi answer: {text.strip()[:160]!r}")
     ids = parts["runids"].output if "runids" in parts else None

@@ -50,7 +50,6 @@ from fleet.doctor.parse import (
     parse_gpu_matrix,
     parse_libs,
     parse_module_version,
-    parse_sections,
     parse_smi_xml,
 )
 from fleet.errors import FleetError, tail_lines
@@ -80,13 +79,13 @@ def probe(target: Target, needs_model: str = "") -> Facts:
             timeout,
             "1" if spec.gpus > 0 else "0",
         )
-        host = parse_sections(target.run(argv, timeout=budget, where="host").stdout)
+        host = remote.parse_answers(target.run(argv, timeout=budget, where="host").stdout)
     manifest = (
         posixpath.join(spec.layout.env_current(spec.env), "fleet-env", "manifest.json") if spec.env else ""
     )
     gpu = "none" if spec.gpus == 0 else ("ct" if spec.container is not None else "all")
     argv = remote.sh("doctor_container.sh", smi, timeout, spec.workdir, manifest, needs_model, gpu)
-    container = parse_sections(target.run(argv, timeout=budget).stdout)
+    container = remote.parse_answers(target.run(argv, timeout=budget).stdout)
     return Facts(container, host)
 
 
@@ -201,7 +200,6 @@ __all__ = [
     "parse_gpu_matrix",
     "parse_libs",
     "parse_module_version",
-    "parse_sections",
     "parse_smi_xml",
     "probe",
     "run_needs",

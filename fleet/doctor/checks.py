@@ -49,7 +49,8 @@ from fleet.doctor.parse import (
 )
 from fleet.envs import cuda_mismatch
 from fleet.errors import FleetError, tail_lines
-from fleet.gpus import Answer, smi_failure
+from fleet.gpus import smi_failure
+from fleet.remote import Answer
 
 if TYPE_CHECKING:
     from fleet.inventory import TargetSpec

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from fleet.errors import FleetError
-from fleet.gpus import Answer, GpuHealth, parse_health_xml
+from fleet.gpus import GpuHealth, parse_health_xml
 
 if TYPE_CHECKING:
     pass
@@ -50,23 +50,6 @@ SLOWDOWN_REASONS = {
 
 
 # --- pure parsers ------------------------------------------------------------------------------------
-
-
-def parse_sections(text: str) -> dict[str, Answer]:
-    """Split a doctor script's output into its ``@@fleet <name> <exit code>`` sections."""
-    parts: dict[str, Answer] = {}
-    name, code, lines = "", 0, []
-    for line in [*text.splitlines(), "@@fleet end 0"]:
-        if line.startswith("@@fleet "):
-            if name:
-                parts[name] = Answer(code, "\n".join(lines).strip("\n"))
-            fields = line.split()
-            name = fields[1] if len(fields) > 1 else "?"
-            code = int(fields[2]) if len(fields) > 2 and fields[2].lstrip("-").isdigit() else -1
-            lines = []
-        elif name:
-            lines.append(line)
-    return parts
 
 
 @dataclass(frozen=True)

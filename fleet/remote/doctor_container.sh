@@ -6,32 +6,14 @@
 #   MODEL     the target model folder ("" = none)
 #   GPU       none | ct (nvidia-smi -q -x here) | all (also topo -m and -p2p r: no container)
 # Reads only; prints sections `@@fleet <name> <exit code>` followed by their text. POSIX sh.
-smi=$1
-timeout_s=$2
+# shellcheck disable=SC2034  # smi and timeout_s are read by the prelude
+smi=$1 timeout_s=$2
 workdir=$3
 manifest=$4
 model=$5
 gpu=$6
 
-if command -v timeout >/dev/null 2>&1; then has_timeout=1; else has_timeout=0; fi
-limited() {
-    if [ "$has_timeout" = 1 ]; then timeout -k 2 "$timeout_s" "$@"; else "$@"; fi
-}
-emit() {  # emit NAME EXIT_CODE TEXT
-    printf '@@fleet %s %s\n%s\n' "$1" "$2" "$3"
-}
-section() {  # section NAME COMMAND...: the command's output (stdout + stderr) and exit code
-    name=$1
-    shift
-    out=$("$@" 2>&1)
-    emit "$name" "$?" "$out"
-}
-smi_section() {  # smi_section NAME ARGS...: nvidia-smi ARGS, under the timeout
-    name=$1
-    shift
-    out=$(limited "$smi" "$@" 2>&1)
-    emit "$name" "$?" "$out"
-}
+# fleet: prelude
 nodes() {  # device nodes as "path|type|major hex|minor hex"
     for node in /dev/nvidia[0-9]* /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools \
         /dev/nvidia-modeset /dev/nvidia-caps /dev/nvidia-caps/*; do

@@ -8,29 +8,11 @@
 kind=$1
 ct=$2
 pct=$3
-smi=$4
-timeout_s=$5
+# shellcheck disable=SC2034  # smi and timeout_s are read by the prelude
+smi=$4 timeout_s=$5
 gpu=$6
 
-if command -v timeout >/dev/null 2>&1; then has_timeout=1; else has_timeout=0; fi
-limited() {
-    if [ "$has_timeout" = 1 ]; then timeout -k 2 "$timeout_s" "$@"; else "$@"; fi
-}
-emit() {  # emit NAME EXIT_CODE TEXT
-    printf '@@fleet %s %s\n%s\n' "$1" "$2" "$3"
-}
-section() {  # section NAME COMMAND...: the command's output (stdout + stderr) and exit code
-    name=$1
-    shift
-    out=$("$@" 2>&1)
-    emit "$name" "$?" "$out"
-}
-smi_section() {  # smi_section NAME ARGS...: nvidia-smi ARGS, under the timeout
-    name=$1
-    shift
-    out=$(limited "$smi" "$@" 2>&1)
-    emit "$name" "$?" "$out"
-}
+# fleet: prelude
 lxc_config() {  # a plain LXC container's config file (the lxc.* lines pct would print)
     lxcpath=$(lxc-config lxc.lxcpath 2>/dev/null || echo /var/lib/lxc)
     cat "$lxcpath/$1/config"

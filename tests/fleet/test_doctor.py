@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fleet import doctor
+from fleet import doctor, remote
 from fleet.doctor import Bandwidth, Facts, RunNeeds
-from fleet.gpus import Answer
 from fleet.inventory import Commands, ContainerSpec, RunSpec, TargetSpec, Topology, load_inventory
+from fleet.remote import Answer
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,8 +51,8 @@ def spec_for(**changes: object) -> TargetSpec:
 def recorded() -> Facts:
     """The well-configured test container, as its doctor scripts answered (tests/fixtures/doctor)."""
     return Facts(
-        doctor.parse_sections(read("doctor", "ct200_container.txt")),
-        doctor.parse_sections(read("doctor", "ct200_host.txt")),
+        remote.parse_answers(read("doctor", "ct200_container.txt")),
+        remote.parse_answers(read("doctor", "ct200_host.txt")),
     )
 
 
@@ -179,7 +179,7 @@ def test_smi_xml_of_the_h200s_and_of_a_gpu_needing_service() -> None:
 
 
 def test_libs_take_the_version_so1_resolves_to() -> None:
-    libs = doctor.parse_libs(doctor.parse_sections(read("doctor", "ct200_container.txt"))["libs"].output)
+    libs = doctor.parse_libs(remote.parse_answers(read("doctor", "ct200_container.txt"))["libs"].output)
     assert libs.loaded == {"libnvidia-ml": "580.159.04", "libcuda": "580.159.04"}
     stale = doctor.parse_libs(
         "link /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.575.57.08\n"
