@@ -82,8 +82,9 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
         fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
         if not no_warm:
             runs.warm_cache(target, if_needed=True)  # compiles only when the key's cache is not complete
-        if plan.note:
-            print(f"{target.name}: {plan.note}")
+        for line in (*plan.rejected, plan.note):
+            if line:
+                print(f"{target.name}: {line}")
         print(runs.started_line(target.name, runs.start_run(target, plan=plan)))
         if line := runs.prune_runs(target):
             print(line)

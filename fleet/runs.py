@@ -78,6 +78,7 @@ class LaunchPlan:
     latest: str | None  # runs/latest's run id (a new run id is bumped past it)
     resume: Resume | None = None
     note: str = ""  # why a new run although one could have been continued (finished, no checkpoint)
+    rejected: tuple[str, ...] = ()  # newer checkpoints that failed their check: one line each
 
 
 @dataclass(frozen=True)
@@ -424,8 +425,19 @@ def resume_check_argv(spec: TargetSpec, run_dir: str) -> list[str]:
     return [*head, "--run-dir", run_dir, *spec.run.overrides]
 
 
+def parse_rejected(stdout: str) -> tuple[str, ...]:
+    """The ``rejected STEP TEXT`` lines of ``training resume-check``: each TEXT (pure)."""
+    found = []
+    for line in stdout.splitlines():
+        words = line.split(" ", 2)
+        if words[0] == "rejected" and len(words) == 3 and words[1].isdigit():
+            found.append(words[2])
+    return tuple(found)
+
+
 def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
-    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure)."""
+    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure; ``rejected`` lines before
+    it: ``parse_rejected``)."""
     for line in stdout.splitlines():
         words = line.split(" ", 3)
         if words[0] == "none":
@@ -481,13 +493,15 @@ def plan_launch(
             "`fab train --fresh` starts a new run"
         )
     resume = parse_resume_check(candidate, res.stdout)
+    plan = replace(plan, rejected=parse_rejected(res.stdout))
     if resume is None:
         if from_run:
             raise RunError(
                 f"{target.name}: run {from_run} has no checkpoint to resume from "
                 f"({spec.layout.run_dir(from_run)}/checkpoints); `fab runs` lists runs"
             )
-        return replace(plan, note=f"run {candidate} has no checkpoint: starting a new run")
+        none = "no checkpoint that passed its check" if plan.rejected else "no checkpoint"
+        return replace(plan, note=f"run {candidate} has {none}: starting a new run")
     if resume.step >= resume.total_steps and not from_run:
         return replace(plan, note=f"run {candidate} finished ({resume.step} steps): starting a new run")
     return replace(plan, resume=resume)

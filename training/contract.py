@@ -82,6 +82,7 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     },
     "checkpoint": {"step": "int", "path": "str", "seconds": "float"},
     "resume": {"step": "int", "path": "str"},
+    "checkpoint_set_aside": {"step": "int", "path": "str", "moved_to": "str", "reason": "str"},
     "eval": {"step": "int", "tau_mean": "float", "tau_hist": "list[int]", "tau_estimate": "float"},
     "compile_cache": {
         "fxgraph_hit": "int",
@@ -446,3 +447,14 @@ def parse_topology(text: str) -> Topology:
     if targets < 1 or drafters < 1:
         raise ValueError("needs at least one target and one drafter rank (e.g. 1+1)")
     return Topology(targets, drafters)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+# <run-dir>/checkpoints/step-00000123.pt, its manifest step-00000123.pt.manifest.json (size and
+# sha256 of the file, written after it is fsync'd), and a checkpoint that failed its check renamed
+# aside to step-00000123.pt.bad (never deleted; the manifest goes with it).
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_NAME = "step-{step:08d}.pt"
+CHECKPOINT_PATTERN = r"^step-(\d{8})\.pt$"
+CHECKPOINT_MANIFEST_SUFFIX = ".manifest.json"
+CHECKPOINT_SET_ASIDE_SUFFIX = ".bad"

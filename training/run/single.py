@@ -13,7 +13,6 @@ step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import socket
 import time
@@ -38,7 +37,7 @@ from training.model.target import (
     target_forward,
 )
 from training.run import core
-from training.run.checkpoint import CheckpointWriter, check_resumable
+from training.run.checkpoint import CheckpointManager, check_finite
 from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
 
@@ -60,12 +59,20 @@ class Trainer:
         self.eval_only = eval_only
         self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         # checkpoints written in the background: training goes on while one is written
-        self.checkpoints = CheckpointWriter(self.run_dir, config.checkpoint.keep)
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            config,
+            self.checkpoint_state,
+            events=None if eval_only else self.events,
+            echo=print0,
+            writes=not eval_only,
+        )
         core.set_threads(config)
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
+            self.checkpoints.check(verify=True)  # the newest checkpoint that passes its check
             return
-        check_resumable(config, self.run_dir)
+        self.checkpoints.check()  # before config.json is written: a changed config is refused
         self.logger, logger_line = make_logger(config, self.run_dir)
         write_config(config, self.run_dir)
         core.emit_run_start(
@@ -139,8 +146,8 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        resumed = core.resume(  # RNG states must stay on CPU
-            self.run_dir, self.drafter, self.optimizer, self.scheduler, map_location="cpu"
+        resumed = self.checkpoints.resume(  # RNG states must stay on CPU
+            self.drafter, self.optimizer, self.scheduler, map_location="cpu"
         )
         if resumed is None:
             return
@@ -210,16 +217,6 @@ class Trainer:
             config=self.config,
         )
 
-    def checkpoint(self) -> None:
-        state = self.checkpoint_state()
-        core.write_checkpoint(
-            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0, self.checkpoints
-        )
-
-    def report_checkpoints(self, *, wait: bool = False) -> None:
-        """The ``checkpoint`` events of the background writes that finished (``wait``: all)."""
-        core.report_checkpoints(self.checkpoints, self.events, print0, wait=wait)
-
     def evaluate(self) -> None:
         cfg = self.config.eval
         prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts)
@@ -275,10 +272,9 @@ class Trainer:
         self._install_signals()  # already installed by __init__ unless train() runs again
         try:
             self.events.phase("train")
-            last_saved = self.step
             while self.step < cfg.train.steps:
                 if self._stop_signal is not None:  # arrived during setup, eval or a checkpoint
-                    return self._stop(last_saved)
+                    return self._stop()
                 t0 = time.monotonic()
                 batch = self.next_batch()
                 result = self.train_step(batch)
@@ -286,25 +282,18 @@ class Trainer:
                 if self.compiled:
                     self.compile_reporter.report(self.events)  # first step, then on any new compile
                 self.last_tau = result.tau
-                if not self.checkpoints.reserved:  # the first step made the optimizer's state
-                    self.checkpoints.reserve(self.checkpoint_state())
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
-                self.report_checkpoints()
                 if self._stop_signal is not None:
-                    return self._stop(last_saved)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.checkpoint()
-                    last_saved = self.step
-                    self.events.phase("train")
+                    return self._stop(result)
+                self.checkpoints.step_end(self.step, result.loss, result.grad_norm)
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                     self.evaluate()
                     self.events.phase("train")
-            if last_saved != self.step:
-                self.checkpoint()
+            self.checkpoints.save(self.step)
             if cfg.eval.num_prompts > 0:
                 self.evaluate()  # while the final checkpoint is written
-            self.report_checkpoints(wait=True)
+            self.checkpoints.wait()
             self.events.phase("done")
             self.events.emit("done", steps=self.step, seconds=time.monotonic() - self.started)
             print0(f"done: {self.step} steps in {time.monotonic() - self.started:.1f}s")
@@ -312,11 +301,12 @@ class Trainer:
         finally:
             self._restore_signals()
 
-    def _stop(self, last_saved: int) -> int:
-        """A stop signal came: checkpoint unless this step is saved, ``phase: stopped``."""
-        if last_saved != self.step:
-            self.checkpoint()
-        self.report_checkpoints(wait=True)
+    def _stop(self, result: core.StepResult | None = None) -> int:
+        """A stop signal came: checkpoint unless this step is saved (or not finite), ``phase: stopped``."""
+        if result is not None:
+            check_finite(self.step, result.loss, result.grad_norm, self.checkpoints.last_saved)
+        self.checkpoints.save(self.step)
+        self.checkpoints.wait()
         self.events.phase("stopped")
         print0(f"stopped at step {self.step} (checkpointed)")
         return self.step
@@ -324,8 +314,7 @@ class Trainer:
     def close(self) -> None:
         # a write in flight completes even when training failed; a failed write has raised in
         # train() already, and on an error path the training error is the one to report
-        with contextlib.suppress(Exception):
-            self.checkpoints.wait()
+        self.checkpoints.close()
         self._restore_signals()
         self.logger.finish()
         self.events.close()
