@@ -469,6 +469,11 @@ def build_status(
             )
             if _num(ev.get("seconds")) is not None:
                 checkpoint_times.append(float(ev["seconds"]))
+        elif kind == "checkpoint_set_aside":  # failed its check at a resume: renamed, never deleted
+            notes.append(
+                f"checkpoint step {ev.get('step')} failed its check ({ev.get('reason', '')}): "
+                f"set aside as {ev.get('moved_to', '')}"
+            )
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
             eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
