@@ -638,15 +638,13 @@ class CheckpointManager:
     # ------------------------------------------------------------ resume
     def check(self, *, verify: bool | None = None) -> ResumePoint:
         """The resume decision (``check_resumable``; a writer sets failing checkpoints aside, one
-        line and one ``checkpoint_set_aside`` event each). ``verify`` defaults to ``writes``."""
+        line each; their events follow in ``resume``). ``verify`` defaults to ``writes``."""
         verify = self.writes if verify is None else verify
         self.point = check_resumable(
             self.config, self.run_dir, verify=verify, set_aside=verify and self.writes
         )
         for rejected in self.point.rejected:
             self.echo(rejected.text())
-            if self.events is not None:
-                self.events.emit("checkpoint_set_aside", **rejected.to_json())
         if self.point.path is not None and verify:
             self.known_good.add(self.point.step)
         return self.point
@@ -662,9 +660,13 @@ class CheckpointManager:
     ) -> Resumed | None:
         """Load the checked checkpoint (``step``: that one instead, e.g. the step the writer rank
         chose) into drafter, optimizer and scheduler; None when there is none. A writer first
-        removes the temp files a killed writer left."""
+        removes the temp files a killed writer left and emits a ``checkpoint_set_aside`` event per
+        checkpoint ``check`` set aside (here: after the launch's ``run_start``)."""
         if self.writes:
             remove_stale_temps(self.run_dir)
+            for rejected in self.point.rejected:
+                if self.events is not None and rejected.moved_to is not None:
+                    self.events.emit("checkpoint_set_aside", **rejected.to_json())
         if step is None:
             step, path = self.point.step, self.point.path
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 import zipfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from training.config import load_config
+from training.data.buckets import Position
 from training.events import EventWriter, read_events, validate_event
 from training.run.checkpoint import (
     CheckpointManager,
@@ -68,16 +70,30 @@ def test_the_manifest_holds_the_files_size_and_sha256(tmp_path: Path) -> None:
 def test_a_bad_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(
     tmp_path: Path, damage, reason: str
 ) -> None:
+    from training.run import core
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    model.cfg = types.SimpleNamespace(mask_token_id=7)  # what checkpoint_state reads of a drafter
+    optimizer, scheduler = core.build_optimizer(CONFIG, model)
     for step in (2, 4):
-        _save(tmp_path, step)
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        state = core.checkpoint_state(
+            model, optimizer, scheduler, position=Position(0, step), tau=1.0, config=CONFIG
+        )
+        save_checkpoint(tmp_path, step, state, keep=5)
     newest = checkpoint_path(tmp_path, 4)
     damage(newest)
     events = EventWriter(tmp_path, rank=0, role="single")
     lines: list[str] = []
     manager = CheckpointManager(tmp_path, CONFIG, dict, events=events, echo=lines.append)
     point = manager.check()
-    events.close()
     assert point.step == 2 and point.path == checkpoint_path(tmp_path, 2).resolve()
+    resumed = manager.resume(model, optimizer, scheduler, map_location="cpu")
+    events.close()
+    assert resumed is not None and (resumed.step, resumed.position) == (2, Position(0, 2))
+    assert torch.equal(model.weight, torch.full((64, 64), 2.0))
     aside = newest.with_name("step-00000004.pt.bad")
     assert aside.exists() and not newest.exists()  # renamed, not deleted
     assert manifest_path(aside).exists() and not manifest_path(newest).exists()
@@ -163,13 +179,13 @@ def test_pruning_keeps_the_newest_checkpoint_that_passed_its_check(tmp_path: Pat
 
 def test_a_resumed_run_keeps_its_verified_checkpoint_through_pruning(tmp_path: Path) -> None:
     _save(tmp_path, 5)
-    manager = CheckpointManager(tmp_path, CONFIG, lambda: {"w": torch.zeros(3)}, events=None, echo=print)
+    keep_one = load_config("tiny-cpu", ["--checkpoint.keep=1"])
+    manager = CheckpointManager(tmp_path, keep_one, lambda: {"w": torch.zeros(3)}, events=None, echo=print)
     assert manager.check().step == 5
-    _legacy(tmp_path, 9)  # an unverified newer file appears (e.g. copied in by hand)
+    _legacy(tmp_path, 9)  # an unchecked newer file appears (e.g. copied in by hand)
     manager.save(6)
     manager.wait()
-    assert [s for s, _ in list_checkpoints(tmp_path)][-1] == 9
-    assert 6 in [s for s, _ in list_checkpoints(tmp_path)]  # the newest that passed a check stays
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 9]  # 6: the newest that passed a check
 
 
 def test_check_finite_names_the_step_and_the_last_good_checkpoint() -> None:
