@@ -88,11 +88,24 @@ def overwrite_inside(hosts: TestHost, path: str) -> None:
     )
 
 
+def reach_step(fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int) -> None:
+    """Wait for step ``at`` of the live run; a run that ended first fails the test with its log."""
+
+    def there() -> bool:
+        if last_step(hosts, run_dir) >= at:
+            return True
+        st = status(fleet)
+        assert st["alive"] is not False, (st["state"], st["diagnosis"], fleet.fab("logs").stdout[-3000:])
+        return False
+
+    testkit.wait_for(f"step {at}", there, timeout=900, interval=2.0)
+
+
 def stop_and_damage(
     fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int, damage: str
 ) -> tuple[int, int]:
     """Wait for step ``at``, `fab stop`, damage the newest checkpoint; (its step, the one before)."""
-    testkit.wait_for(f"step {at}", lambda: last_step(hosts, run_dir) >= at, timeout=300, interval=0.3)
+    reach_step(fleet, hosts, run_dir, at)
     ok(fleet.fab("stop"))
     saved = saved_steps(hosts, run_dir)
     assert len(saved) >= 2 and saved[-1] < STEPS, saved
