@@ -36,6 +36,7 @@ RUN = {
         "--checkpoint.keep=3",
         "--train.log_every=1",
         "--eval.num_prompts=0",
+        "--data.corpus_files=60",  # a smaller corpus to tokenize in each test's fresh workdir
     ],
     "env": {},
 }
@@ -72,7 +73,7 @@ def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
         holder["st"] = status(fleet)
         return holder["st"]["state"] in ("finished", "stopped", "failed") and holder["st"]["alive"] is False
 
-    testkit.wait_for("the run to end", final, timeout=600, interval=1.0)
+    testkit.wait_for("the run to end", final, timeout=1800, interval=2.0)
     return holder["st"]
 
 
@@ -98,7 +99,7 @@ def reach_step(fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int) -> No
         assert st["alive"] is not False, (st["state"], st["diagnosis"], fleet.fab("logs").stdout[-3000:])
         return False
 
-    testkit.wait_for(f"step {at}", there, timeout=900, interval=2.0)
+    testkit.wait_for(f"step {at}", there, timeout=1800, interval=2.0)
 
 
 def stop_and_damage(
