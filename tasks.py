@@ -261,9 +261,7 @@ def doctor(c: Context, json: bool = False, bandwidth: bool = False, tokens_per_s
         raise ConfigError(f"doctor --tokens-per-s {rate:g}: give a rate > 0")
     on_targets(
         c,
-        lambda target: fleet_doctor.doctor_task(
-            target, repo_root(), as_json=json, bandwidth=bandwidth, tokens_per_s=rate
-        ),
+        lambda target: fleet_doctor.doctor_task(target, as_json=json, bandwidth=bandwidth, tokens_per_s=rate),
     )
 
 
@@ -281,7 +279,7 @@ def plan(c: Context, gpus: int = 0, json: bool = False, tokens_per_s: float = 0.
 
     if run := selected_run():  # what crosses the network between its hosts, from the run config
         spec = inventory().targets[run.nodes[0].target]
-        needs = doctor.run_needs(spec, doctor.read_run_config(repo_root(), replace(spec, run=run.run)))
+        needs = doctor.run_needs(replace(spec, run=run.run))
         found = multihost.network_plan(run, needs, tokens_per_s or doctor.DEFAULT_TOKENS_PER_S)
         print(json_lib.dumps(found, sort_keys=True) if json else multihost.plan_text(found))
         return

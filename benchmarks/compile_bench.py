@@ -7,7 +7,7 @@ into an empty dir; miss counts of each; the same start with compile excluded.
 
 Each measurement is a fresh process (``--child MODE``) that does what a training process does
 before its first step: import torch, activate the compile cache (``training.compile.cache``),
-build the data plan and a drafter (``training.compile.warm``: stand-in target, real drafter, real
+build the data plan and a drafter (``training.run.warm``: stand-in target, real drafter, real
 compiled attention), then run one optimizer-free training step per shape (``warm_step``):
 
 - ``cold``: an empty cache root; afterwards it saves ``megacache.bin`` + ``manifest.json``.
@@ -80,7 +80,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         save_blob,
         triton_version,
     )
-    from training.compile.warm import (
+    from training.config import load_config
+    from training.model import attention
+    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
+    from training.run.core import build_drafter, load_train_data, set_threads
+    from training.run.warm import (
         StandInTarget,
         compile_shapes,
         config_hash,
@@ -88,10 +92,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         target_config,
         warm_step,
     )
-    from training.config import load_config
-    from training.model import attention
-    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
-    from training.run.core import build_drafter, load_train_data, set_threads
 
     config = load_config(args.config, args.overrides)
     device = resolve_device(config.model.device)

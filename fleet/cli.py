@@ -17,7 +17,6 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +25,7 @@ from invoke import Context, task
 from invoke.exceptions import Exit
 
 from fleet.errors import ConfigError, FleetError
+from fleet.fanout import fan_out
 from fleet.inventory import (
     REPO_ROOT,
     Inventory,
@@ -39,7 +39,6 @@ from fleet.target import Target, open_target
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-MAX_PARALLEL = 16
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 
 
@@ -181,15 +180,11 @@ def _fan_out(
     if not allow_many:
         raise ConfigError(f"{why_one}; set FLEET_TARGET to one name, not all")
 
-    def one(spec: TargetSpec) -> T | FleetError:
-        try:
-            with _opened(spec) as target:
-                return work(target)
-        except FleetError as err:
-            return err
+    def one(spec: TargetSpec) -> T:
+        with _opened(spec) as target:
+            return work(target)
 
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(specs))) as pool:
-        return list(zip(specs, pool.map(one, specs), strict=True))
+    return list(zip(specs, fan_out(specs, one), strict=True))
 
 
 @contextmanager

@@ -23,10 +23,11 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleet import remote
+from fleet import remote, trainer_cli
 from fleet.errors import ConfigError, RunError
 from fleet.runs import basic_status, failure_summary, run_with_env
 from fleet.target import Target
+from training.contract import HF_CONFIG_FILE
 
 EXPORTED_RE = re.compile(r"^exported step (\d+) \((.*)\) -> (.+)$", re.MULTILINE)
 EXPORT_TIMEOUT_S = 1800.0  # reading a 27B run's checkpoint and writing bf16 weights: minutes at most
@@ -51,12 +52,6 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def export_argv(python: str, module: str, run_dir: str, out: str, step: int | None) -> list[str]:
-    """``<python> -m <module> export --run-dir D --out O [--step N]``."""
-    argv = [python, "-m", module, "export", "--run-dir", run_dir, "--out", out]
-    return argv + (["--step", str(step)] if step is not None else [])
-
-
 def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> ExportResult:
     """``fab export [--step N] [--to LOCAL_DIR]`` (see the module docstring)."""
     if step is not None and step < 0:
@@ -71,9 +66,7 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
         raise RunError(f"{target.name}: no run to export: start one with `fab train`")
     run_dir = spec.layout.run_dir(status.run_id)
     out = posixpath.join(run_dir, "export" if step is None else f"export-step-{step}")
-    res = run_with_env(
-        target, export_argv(spec.run_python, spec.run.module, run_dir, out, step), timeout=EXPORT_TIMEOUT_S
-    )
+    res = run_with_env(target, trainer_cli.export(spec, run_dir, out, step), timeout=EXPORT_TIMEOUT_S)
     if res.exit_code != 0:
         why = failure_summary(res.stderr or res.stdout, res.exit_code)
         raise RunError(f"{target.name}: export of run {status.run_id} failed ({why})")
@@ -108,7 +101,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     dest = dest.resolve()
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"export --to {dest} exists and is not a folder")
-    if dest.is_dir() and any(dest.iterdir()) and not (dest / "config.json").is_file():
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"export --to {dest} is a non-empty folder that is not an export: choose another")
     res = target.run(remote.sh("export_pack.sh", remote_path), check=False, timeout=EXPORT_TIMEOUT_S)
     if res.exit_code != 0:
@@ -124,7 +117,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
             archive.extractall(tmp, members=_plain_members(archive, target.name))
-        if not (tmp / "config.json").is_file():
+        if not (tmp / HF_CONFIG_FILE).is_file():
             raise RunError(f"{target.name}: {remote_path} holds no config.json")
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")

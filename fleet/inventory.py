@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from fleet.errors import ConfigError
 from fleet.layout import Layout
+from training.config import RunConfig, TrainingError, load_config
 from training.contract import Topology, parse_topology
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -120,6 +121,10 @@ class RunSpec:
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
     restart_backoff_s: float = 60.0
+    # The run's shape: ``config`` + ``overrides`` read with the trainer's own loader at inventory
+    # load, so every task sizes the run from this one object. None where the controller cannot read
+    # it: another module than the bundled trainer, or a config path on a remote target.
+    loaded: RunConfig | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -385,7 +390,10 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
     container = _parse_container(key, raw.get("container"), path)
     workdir = _parse_workdir(key, raw.get("workdir"), ssh is None, path)
     gpus = _int(raw, "gpus", key, path, default=TargetSpec.gpus, minimum=0)
+    run = _parse_run(key, raw.get("run"), path, local=ssh is None)
     topology = _parse_topology(key, raw.get("topology"), gpus, path)
+    if topology is None:
+        topology = _config_topology(key, run, gpus, path)
     env = _str(raw, "env", key, path, default=TargetSpec.env)
     if env and not NAME_RE.match(env):
         raise ConfigError(
@@ -402,7 +410,7 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         topology=topology,
         env=env,
         uv_cache=_parse_uv_cache(key, raw.get("uv_cache"), ssh is None, path),
-        run=_parse_run(key, raw.get("run"), path),
+        run=run,
         gpu_gate=_parse_gate(key, raw.get("gpu_gate"), path),
         notify=_parse_notify(key, raw.get("notify"), path),
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
@@ -579,6 +587,42 @@ def _parse_topology(key: str, raw: Any, gpus: int, path: Path) -> Topology | Non
     return topo
 
 
+def _config_topology(key: str, run: RunSpec, gpus: int, path: Path) -> Topology | None:
+    """The run config's ``pipeline.topology`` where the target sets none: the inventory's
+    ``topology`` wins, the config's is the default, and either must fit ``gpus``."""
+    text = run.loaded.pipeline.topology if run.loaded is not None else ""
+    if not text:
+        return None
+    where = f"{key}.run.config = {run.config!r}"
+    try:
+        topo = parse_topology(text)
+    except ValueError:
+        raise ConfigError(
+            f'{path}: {where}: its pipeline.topology = {text!r} is not "N+M" with N, M >= 1; fix it'
+        ) from None
+    if topo.world_size != gpus:
+        raise ConfigError(
+            f'{path}: {where} has pipeline.topology = "{topo}" ({topo.world_size} GPUs) but {key}.gpus = '
+            f'{gpus}; set {key}.gpus and {key}.topology to agree, or add "--pipeline.topology=" to '
+            f"{key}.run.overrides for one process"
+        )
+    return topo
+
+
+def _load_run_config(
+    rkey: str, config: str, overrides: tuple[str, ...], local: bool, path: Path
+) -> RunConfig | None:
+    """``load_config(config, overrides)`` as the trainer will: a config name is a file of the shipped
+    ``training/configs``; a path is read here only on a local target (elsewhere it is the target's)."""
+    is_path = "/" in config or config.endswith(".toml")
+    if is_path and not (local and Path(config).expanduser().is_absolute()):
+        return None
+    try:
+        return load_config(config, overrides)
+    except TrainingError as err:
+        raise ConfigError(f"{path}: {rkey}: {err}") from None
+
+
 def _parse_multi_run(
     name: str, raw: Mapping[str, Any], targets: Mapping[str, TargetSpec], path: Path
 ) -> MultiRunSpec:
@@ -664,7 +708,7 @@ def _parse_multi_run(
             f"({', '.join(f'{n.target} {n.addr}' for n in nodes)}): list {key}.targets in that order, "
             "each with its own addr"
         )
-    run = _parse_run(key, raw.get("run"), path)
+    run = _parse_run(key, raw.get("run"), path, local=all(s.is_local for s in specs))
     if run.module != "training":
         raise ConfigError(
             f"{path}: {key}.run.module = {run.module!r}: a run over several hosts needs the bundled "
@@ -744,9 +788,9 @@ def _parse_commands(key: str, raw: Any, path: Path) -> Commands:
     return Commands(**values)
 
 
-def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
+def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
     if raw is None:
-        return RunSpec()
+        raw = {}
     rkey = f"{key}.run"
     _check_type(raw, dict, rkey, "a table", path)
     _check_keys(raw, RUN_KEYS, rkey, path)
@@ -787,6 +831,9 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
     _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
     restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
     backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    loaded = None
+    if module == RunSpec.module:
+        loaded = _load_run_config(rkey, config, tuple(overrides), local, path)
     return RunSpec(
         module=module,
         config=config,
@@ -794,6 +841,7 @@ def _parse_run(key: str, raw: Any, path: Path) -> RunSpec:
         env=MappingProxyType(dict(env)),
         restart_max=restart_max,
         restart_backoff_s=backoff,
+        loaded=loaded,
     )
 
 

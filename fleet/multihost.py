@@ -18,19 +18,19 @@ and a run over several hosts is the same run id started on each of them with ``-
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fleet import runs
+from fleet import runs, trainer_cli
 from fleet.errors import ConfigError, FleetError, RunError
+from fleet.fanout import fan_out, raise_first
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
-from fleet.status.model import RunStatus
+from fleet.status.model import RunStatus, State
 from fleet.target import Target, open_target
+from training import contract
 
 if TYPE_CHECKING:
     from fleet.doctor import RunNeeds
@@ -51,10 +51,8 @@ def opened(inv: Inventory, run: MultiRunSpec) -> Iterator[list[Target]]:
 
 
 def each(targets: Sequence[Target], work: Callable[[Target], T]) -> list[T]:
-    """``work`` on every host at once (one thread per host); the first host's error is raised."""
-    with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-        futures = [pool.submit(work, t) for t in targets]
-    return [f.result() for f in futures]
+    """``work`` on every host at once (:func:`fleet.fanout.fan_out`); the first host's error is raised."""
+    return raise_first(fan_out(targets, work, limit=len(targets)))
 
 
 def deploy(targets: Sequence[Target], repo_root: Path) -> list[str]:
@@ -127,7 +125,7 @@ def _plan(
         )
     ck = targets[run.checkpoint_node]
     spec = ck.spec
-    res = runs.run_with_env(ck, runs.resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    res = runs.run_with_env(ck, trainer_cli.resume_check(spec, spec.layout.run_dir(candidate)))
     if res.exit_code == 2:
         why = res.stderr.strip().splitlines()[-1:] or ["its settings changed"]
         raise ConfigError(
@@ -141,7 +139,7 @@ def _plan(
             "`fab train --fresh` starts a new run"
         )
     resume = runs.parse_resume_check(candidate, res.stdout)
-    rejected = [f"{ck.name}: {line}" for line in runs.parse_rejected(res.stdout)]
+    rejected = [f"{ck.name}: {line}" for line in contract.parse_rejected_lines(res.stdout)]
     if resume is None:
         none = "no checkpoint that passed its check" if rejected else "no checkpoint"
         note = f"run {candidate} has {none} on {ck.name}: starting a new run"
@@ -219,16 +217,15 @@ def stop(targets: Sequence[Target], *, force: bool) -> list[str]:
 
 # --- one status for all hosts ---------------------------------------------------------------------
 
-_LOST = re.compile(r"lost rank \d+ \((?:target|drafter) \d+ on host ([^,\s)]+)")
-
 
 def lost_hosts(run: MultiRunSpec, rows: Sequence[tuple[str, RunStatus | FleetError]]) -> list[str]:
-    """The run's hosts that the others lost: named by a surviving rank's error (``lost rank 1
-    (drafter 0 on host pve2, ...)``), or whose agent is gone while another host reports an error."""
+    """The run's hosts that the others lost: named by a surviving rank's error event (its
+    ``peer_host``), or whose agent is gone while another host reports an error."""
     named = []
     for _, st in rows:
         if isinstance(st, RunStatus) and st.last_error is not None:
-            named += [h for h in _LOST.findall(st.last_error.message) if h in run.targets]
+            if st.last_error.peer_host in run.targets:
+                named.append(st.last_error.peer_host)
     return list(dict.fromkeys(named))
 
 
@@ -238,16 +235,16 @@ def verdict(run: MultiRunSpec, rows: Sequence[tuple[str, RunStatus | FleetError]
     states = [st for _, st in rows if isinstance(st, RunStatus)]
     errors = [(n, e) for n, e in rows if not isinstance(e, RunStatus)]
     worst = max(states, key=lambda st: st.exit_code, default=None)
-    state = "failed" if errors or worst is None else worst.state
-    code = 12 if state == "failed" else worst.exit_code if worst is not None else 12
+    state = State.FAILED if errors or worst is None else worst.state
+    code = State.FAILED.exit_code if state == State.FAILED or worst is None else worst.exit_code
     lost = lost_hosts(run, rows)
     cause = ""
     if lost:
         cause = f"host {', '.join(lost)} lost: the other hosts' ranks stopped waiting for it"
     elif errors:
         cause = "; ".join(f"{n}: {e}" for n, e in errors)
-    elif state == "failed":
-        failed = [(n, st) for n, st in rows if isinstance(st, RunStatus) and st.state == "failed"]
+    elif state == State.FAILED:
+        failed = [(n, st) for n, st in rows if isinstance(st, RunStatus) and st.state == State.FAILED]
         cause = "; ".join(f"{n}: {st.diagnosis[0].cause if st.diagnosis else 'failed'}" for n, st in failed)
     run_ids = {st.run_id for st in states if st.run_id}
     return {

@@ -29,13 +29,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from fleet import remote
+from fleet import remote, trainer_cli
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
+from fleet.status.model import State
 from fleet.target import CommandResult, Target, scrub
+from training import contract
 
 RunState = Literal["live", "exited", "never"]
 RUN_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([A-Za-z0-9_.-]+)$")
@@ -143,22 +145,6 @@ def make_run_id(now: dt.datetime, config: str, latest: str | None = None) -> str
     return f"{stamp.strftime(TIME_FORMAT)}-{name}"
 
 
-def training_argv(spec: TargetSpec, run_dir: str) -> list[str]:
-    """``<python> -m <module> train --config <config> --run-dir <run_dir> <overrides...>``.
-
-    With a topology N+M the same command runs under torchrun, one process per GPU:
-    ``<python> -m training.topology --nproc-per-node=N+M -m <module> train ... --topology N+M``
-    (torchrun, for which `fab stop`'s SIGTERM is a clean stop, exit 0, and whose single-node
-    rendezvous is on 127.0.0.1, never the hostname; gpus = 0: gloo on CPU, N+M processes)."""
-    python = spec.run_python
-    run = spec.run
-    train = ["-m", run.module, "train", "--config", run.config, "--run-dir", run_dir, *run.overrides]
-    if spec.topology is None:
-        return [python, *train]
-    launcher = ["-m", "training.topology", f"--nproc-per-node={spec.topology.world_size}"]
-    return [python, *launcher, *train, "--topology", str(spec.topology)]
-
-
 @dataclass(frozen=True)
 class NodeLaunch:
     """Host ``index`` of a run over several hosts: one torchrun agent with ``--nnodes``,
@@ -168,33 +154,14 @@ class NodeLaunch:
     index: int
 
     def argv(self, spec: TargetSpec, run_dir: str, run_id: str) -> list[str]:
-        """``<python> -m training.topology --nnodes=H --node-rank=I ... -m training train ...``.
-
-        The first host's agent serves the rendezvous (``is_host``); each host advertises its
-        ``addr`` (``--local-addr``), by which c10d numbers the hosts (the inventory checks that
-        order). The rendezvous id is the run id: agents of another run never join it."""
-        run, node = self.run, self.run.nodes[self.index]
-        train = ["-m", run.run.module, "train", "--config", run.run.config, "--run-dir", run_dir]
-        launcher = [
-            "-m",
-            "training.topology",
-            f"--nnodes={len(run.nodes)}",
-            f"--node-rank={self.index}",
-            f"--nproc-per-node={node.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={run.rendezvous}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={'true' if self.index == 0 else 'false'}",
-            f"--local-addr={node.addr}",
-        ]
-        topology = ["--topology", str(run.topology), "--placement", run.placement]
-        return [spec.run_python, *launcher, *train, *run.run.overrides, *topology]
+        """This host's torchrun agent of the run (:func:`fleet.trainer_cli.node_train`)."""
+        return trainer_cli.node_train(spec, self.run, self.index, run_dir, run_id)
 
     def env(self, spec: TargetSpec) -> dict[str, str]:
         """What this host's ranks need besides the run's environment: the target's name (errors
         name a lost peer by it) and the network interface hints."""
         node = self.run.nodes[self.index]
-        env = {"FLEET_NODE_NAME": spec.name}
+        env = {contract.NODE_NAME_ENV: spec.name}
         if node.socket_ifname:
             env["NCCL_SOCKET_IFNAME"] = node.socket_ifname
             env["GLOO_SOCKET_IFNAME"] = node.socket_ifname
@@ -215,15 +182,15 @@ class NodeLaunch:
         }
 
 
-COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
-DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache shared by a workdir's runs (training.run.core)
-
-
 def run_env(spec: TargetSpec) -> dict[str, str]:
     """The run's environment: the compile-cache and data-cache roots, then ``run.env`` (which may
     override them)."""
     layout = spec.layout
-    return {COMPILE_CACHE_ENV: layout.compile_cache, DATA_CACHE_ENV: layout.data_cache, **spec.run.env}
+    return {
+        contract.COMPILE_CACHE_ENV: layout.compile_cache,
+        contract.DATA_CACHE_ENV: layout.data_cache,
+        **spec.run.env,
+    }
 
 
 def wrapper_env(spec: TargetSpec) -> dict[str, str]:
@@ -231,25 +198,17 @@ def wrapper_env(spec: TargetSpec) -> dict[str, str]:
     restart policy and the causes it never retries (``fleet.status.diagnose.NOT_RETRYABLE``)."""
     env: dict[str, str] = {}
     if spec.run.restart_max > 0:
-        env["FLEET_RESTART_MAX"] = str(spec.run.restart_max)
-        env["FLEET_RESTART_BACKOFF_S"] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
-        env["FLEET_NO_RETRY"] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
+        env[contract.RESTART_MAX_ENV] = str(spec.run.restart_max)
+        env[contract.RESTART_BACKOFF_ENV] = str(max(1, math.ceil(spec.run.restart_backoff_s)))
+        env[contract.NO_RETRY_ENV] = "\n".join(f"{sig}\t{needle}" for sig, needle in NOT_RETRYABLE)
     notify = spec.notify
     if notify.enabled:  # the notifier's (remote/run_notify.py); the URL and headers may be secrets
-        env["FLEET_NOTIFY_URL"] = notify.url
-        env["FLEET_NOTIFY_HEADERS"] = json.dumps(dict(notify.headers))
-        env["FLEET_NOTIFY_COMMAND"] = json.dumps(list(notify.command))
-        env["FLEET_NOTIFY_TARGET"] = spec.name
-        env["FLEET_NOTIFY_STALL_S"] = str(spec.stall_window_s)
+        env[contract.NOTIFY_URL_ENV] = notify.url
+        env[contract.NOTIFY_HEADERS_ENV] = json.dumps(dict(notify.headers))
+        env[contract.NOTIFY_COMMAND_ENV] = json.dumps(list(notify.command))
+        env[contract.NOTIFY_TARGET_ENV] = spec.name
+        env[contract.NOTIFY_STALL_ENV] = str(spec.stall_window_s)
     return env
-
-
-def warm_argv(spec: TargetSpec, *, if_needed: bool) -> list[str]:
-    """``<python> -m training warm --config C --cache-dir <workdir>/compile-cache [--if-needed] ...``."""
-    python = spec.run_python
-    flag = ["--if-needed"] if if_needed else []
-    head = [python, "-m", "training", "warm", "--config", spec.run.config]
-    return [*head, "--cache-dir", spec.layout.compile_cache, *flag, *spec.run.overrides]
 
 
 def run_with_env(
@@ -296,7 +255,7 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     spec = target.spec
     if spec.run.module != "training":
         return False
-    res = run_with_env(target, warm_argv(spec, if_needed=if_needed), stream=True)
+    res = run_with_env(target, trainer_cli.warm(spec, if_needed=if_needed), stream=True)
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: compile-cache warm-up failed ({failure_summary(res.stderr, res.exit_code)}); "
@@ -305,15 +264,9 @@ def warm_cache(target: Target, *, if_needed: bool) -> bool:
     return True
 
 
-def plan_argv(spec: TargetSpec, gpus: int, *, as_json: bool) -> list[str]:
-    """``<python> -m <module> plan --config C <overrides> --gpus G [--json]`` (the split advisor)."""
-    argv = [spec.run_python, "-m", spec.run.module, "plan", "--config", spec.run.config, *spec.run.overrides]
-    return [*argv, "--gpus", str(gpus), *(["--json"] if as_json else [])]
-
-
 def plan(target: Target, gpus: int, *, as_json: bool) -> str:
     """``fab plan``: the split advisor's output, run on the target with the run's environment."""
-    res = run_with_env(target, plan_argv(target.spec, gpus, as_json=as_json))
+    res = run_with_env(target, trainer_cli.plan(target.spec, gpus, as_json=as_json))
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: `{target.spec.run.module} plan` failed "
@@ -419,34 +372,16 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
     )
 
 
-def resume_check_argv(spec: TargetSpec, run_dir: str) -> list[str]:
-    """``<python> -m training resume-check --config C --run-dir D <overrides>`` (read-only)."""
-    head = [spec.run_python, "-m", "training", "resume-check", "--config", spec.run.config]
-    return [*head, "--run-dir", run_dir, *spec.run.overrides]
-
-
-def parse_rejected(stdout: str) -> tuple[str, ...]:
-    """The ``rejected STEP TEXT`` lines of ``training resume-check``: each TEXT (pure)."""
-    found = []
-    for line in stdout.splitlines():
-        words = line.split(" ", 2)
-        if words[0] == "rejected" and len(words) == 3 and words[1].isdigit():
-            found.append(words[2])
-    return tuple(found)
-
-
 def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
-    """``checkpoint STEP TOTAL PATH`` -> Resume; ``none`` -> None (pure; ``rejected`` lines before
-    it: ``parse_rejected``)."""
-    for line in stdout.splitlines():
-        words = line.split(" ", 3)
-        if words[0] == "none":
-            return None
-        if words[0] == "checkpoint" and len(words) == 4 and words[1].isdigit() and words[2].isdigit():
-            return Resume(run_id, int(words[1]), int(words[2]), words[3])
-    raise RunError(
-        f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
-    )
+    """``training resume-check``'s answer (``contract.parse_resume_line``) -> Resume; none -> None.
+    The ``rejected`` lines before it: ``contract.parse_rejected_lines``."""
+    try:
+        point = contract.parse_resume_line(stdout)
+    except ValueError:
+        raise RunError(
+            f"unexpected answer from `training resume-check`: {stdout[-200:]!r}; redeploy (`fab deploy`)"
+        ) from None
+    return None if point is None else Resume(run_id, point.step, point.total_steps, point.path)
 
 
 def plan_launch(
@@ -479,7 +414,7 @@ def plan_launch(
                 f"not {spec.run.module!r}"
             )
         return plan
-    res = run_with_env(target, resume_check_argv(spec, spec.layout.run_dir(candidate)))
+    res = run_with_env(target, trainer_cli.resume_check(spec, spec.layout.run_dir(candidate)))
     if res.exit_code == 2:
         why = tail_lines(res.stderr, 1).removeprefix("error: ") or "its settings changed"
         raise ConfigError(
@@ -493,12 +428,12 @@ def plan_launch(
             "`fab train --fresh` starts a new run"
         )
     resume = parse_resume_check(candidate, res.stdout)
-    plan = replace(plan, rejected=parse_rejected(res.stdout))
+    plan = replace(plan, rejected=contract.parse_rejected_lines(res.stdout))
     if resume is None:
         if from_run:
             raise RunError(
                 f"{target.name}: run {from_run} has no checkpoint to resume from "
-                f"({spec.layout.run_dir(from_run)}/checkpoints); `fab runs` lists runs"
+                f"({spec.layout.run_dir(from_run)}/{contract.CHECKPOINT_DIR}); `fab runs` lists runs"
             )
         none = "no checkpoint that passed its check" if plan.rejected else "no checkpoint"
         return replace(plan, note=f"run {candidate} has {none}: starting a new run")
@@ -571,7 +506,7 @@ def _launch(
     spec = target.spec
     layout = spec.layout
     run_dir = layout.run_dir(run_id)
-    argv = training_argv(spec, run_dir) if node is None else node.argv(spec, run_dir, run_id)
+    argv = trainer_cli.train(spec, run_dir) if node is None else node.argv(spec, run_dir, run_id)
     info = RunInfo(
         run_id=run_id,
         release_id=release,
@@ -658,7 +593,7 @@ def _with_message(status: BasicStatus, message: str) -> BasicStatus:
 
 
 def _log_path(target: Target) -> str:
-    return f"{target.spec.layout.latest_run}/train.log"
+    return f"{target.spec.layout.latest_run}/{contract.LOG_FILE}"
 
 
 def read_log(target: Target, lines: int = 50) -> str:
@@ -689,16 +624,13 @@ class RunSummary:
     """One run dir at a glance (``fab runs``)."""
 
     run_id: str
-    state: str  # live | finished | stopped | failed
+    state: State  # LIVE | FINISHED | STOPPED | FAILED
     step: int | None
     total_steps: int | None
     checkpoint_step: int | None  # the newest checkpoint: where `fab train --from` continues
     launches: int
     size_kib: int | None
     latest: bool
-
-
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
 def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
@@ -712,14 +644,14 @@ def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
     step, phase = event("step"), event("phase").get("phase")
     exit_code = _int_or_none(fields.get("exit_code", ""))
     if fields.get("alive") == "1":
-        state = "live"
+        state = State.LIVE
     elif phase == "done" and exit_code in (0, None):
-        state = "finished"
+        state = State.FINISHED
     elif exit_code == 0 or (exit_code is None and phase == "stopped"):
-        state = "stopped"
+        state = State.STOPPED
     else:
-        state = "failed"
-    ck = _CHECKPOINT_NAME.match(fields.get("checkpoint", ""))
+        state = State.FAILED
+    ck = contract.CHECKPOINT_RE.fullmatch(fields.get("checkpoint", ""))
     return RunSummary(
         run_id=run_id,
         state=state,

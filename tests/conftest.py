@@ -4,6 +4,6 @@ Tests import helpers with `from testkit import ...` (a unique module name: `impo
 would be ambiguous, since tests/training has a conftest.py of its own).
 """
 
-from testkit import hosts, local_tmux, remote_fleet
+from testkit import hosts, llama_build, local_tmux, remote_fleet
 
-__all__ = ["hosts", "local_tmux", "remote_fleet"]
+__all__ = ["hosts", "llama_build", "local_tmux", "remote_fleet"]

@@ -19,6 +19,20 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("fleet", "training")  # walked for cycles and upward imports; add a package name to cover it too
 TASK_LAYER = ("tasks", "fabfile")  # the Fabric tasks: they import fleet, never the other way round
 STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and imported by the controller
+# The trainer's layers, lowest first: a module imports its own layer or lower ones, never higher
+# (a module is in the layer of its longest listed prefix).
+TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("training", "training.contract"),  # stdlib only, shared with the controller
+    ("training.config", "training.events"),
+    ("training.data", "training.compile", "training.wandb_logger", "training.topology", "training.launch"),
+    ("training.model",),  # what is trained, against what
+    ("training.run.checkpoint", "training.run.pipeline", "training.run.eval"),
+    ("training.run.core",),  # what every driver runs
+    ("training.run.warm", "training.run.resume_check"),  # what prepares or checks a run
+    ("training.export",),
+    ("training.run.single", "training.run.distributed", "training.run.plan"),  # the drivers
+    ("training.__main__", "training.selftest", "training.assets"),  # entry points
+)
 # (importer, module it must not reach, directly or through others)
 MUST_NOT_REACH = (
     ("fleet.status.model", "fleet.status.render"),  # the model never imports its view
@@ -161,6 +175,45 @@ def test_the_trainer_never_imports_the_controller() -> None:
         if target.split(".")[0] in ("fleet", *TASK_LAYER)
     )
     assert upward == []
+
+
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...] = TRAINING_LAYERS) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for rank, prefixes in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (
+                best is None or len(prefix) > best[0]
+            ):
+                best = (len(prefix), rank)
+    return None if best is None else best[1]
+
+
+def upward_imports(edges: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Every import of a higher layer by a module of the layers."""
+    found = []
+    for name, targets in sorted(edges.items()):
+        mine = layer_of(name, layers)
+        if mine is None:
+            continue
+        for target in sorted(targets):
+            theirs = layer_of(target, layers)
+            if theirs is not None and theirs > mine:
+                found.append(f"{name} (layer {mine}) imports {target} (layer {theirs})")
+    return found
+
+
+def test_the_trainer_imports_only_downward() -> None:
+    assert upward_imports(graph(("training",)), TRAINING_LAYERS) == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    edges = {
+        "training.run.core": {"training.run.warm", "training.model.drafter"},
+        "training.data.x": {"training"},
+    }
+    assert upward_imports(edges, TRAINING_LAYERS) == [
+        "training.run.core (layer 5) imports training.run.warm (layer 6)"
+    ]
 
 
 @pytest.mark.parametrize(("importer", "forbidden"), MUST_NOT_REACH)

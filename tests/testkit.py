@@ -420,3 +420,15 @@ def ctrl_c_reaches_it() -> None:
     background job, and so everything under it, with SIGINT ignored, and Python then never raises
     KeyboardInterrupt)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="session")
+def llama_build() -> Any:
+    """The real llama.cpp build (training.engines.llamacpp), once per machine: cached in
+    $FLEET_LLAMACPP_CACHE (default ~/.cache/fleet-llama.cpp), so only the first session on a
+    machine builds (minutes on 2 cores); the sdist from $FLEET_LLAMACPP_SDIST or PyPI."""
+    import sys
+
+    from training.engines.llamacpp import default_cache_root, ensure_llamacpp
+
+    return ensure_llamacpp(default_cache_root(), log=lambda line: print(line, file=sys.stderr))

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from training.config import TrainingError
+from training.contract import COMPILE_CACHE_ENV
 from training.events import EventWriter
 
 
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         "--topology",
         default="",
         metavar="N+M",
-        help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.topology)",
+        help="N target ranks + M drafter ranks, one process per GPU under torchrun (training.launch)",
     )
     train.add_argument(
         "--placement",
@@ -60,10 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="the folder to write (replaced atomically)")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     warm = sub.add_parser(
-        "warm", help="compile every shape of a config into a compile cache (training.compile.warm)"
+        "warm", help="compile every shape of a config into a compile cache (training.run.warm)"
     )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
-    warm.add_argument("--cache-dir", default="", help="the cache root (default $FLEET_COMPILE_CACHE)")
+    warm.add_argument("--cache-dir", default="", help=f"the cache root (default ${COMPILE_CACHE_ENV})")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
     return parser
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             train(args.config, run_dir, extra)
         elif args.command == "warm":
             _check_overrides(extra)
-            from training.compile.warm import warm_main
+            from training.run.warm import warm_main
 
             return warm_main(args.config, args.cache_dir, extra, if_needed=args.if_needed)
         elif args.command == "export":

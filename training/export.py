@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from training.config import ConfigError, RunConfig, TrainingError, read_config
+from training.contract import CHECKPOINT_DIR, HF_CONFIG_FILE
 from training.model.drafter import DrafterConfig, drafter_layout
 from training.model.hf_folder import ARCHITECTURE, WEIGHTS, load_export_into, read_export
 from training.run.checkpoint import drafter_weights, list_checkpoints, verify_checkpoint
@@ -70,14 +71,16 @@ def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
     for _ in range(3):  # a live run may prune the file between listing and reading it
         found = list_checkpoints(run_dir)
         if not found:
-            raise ConfigError(f"{run_dir}/checkpoints has no checkpoint yet: export after the first one")
+            raise ConfigError(f"{run_dir}/{CHECKPOINT_DIR} has no checkpoint yet: export after the first one")
         if step is None:
             chosen = found[-1]
         else:
             match = [c for c in found if c[0] == step]
             if not match:
                 have = ", ".join(str(s) for s, _ in found)
-                raise ConfigError(f"no checkpoint of step {step} in {run_dir}/checkpoints (have: {have})")
+                raise ConfigError(
+                    f"no checkpoint of step {step} in {run_dir}/{CHECKPOINT_DIR} (have: {have})"
+                )
             chosen = match[0]
         try:
             why = verify_checkpoint(chosen[1], chosen[0])
@@ -95,13 +98,13 @@ def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
         state["path"] = str(chosen[1].resolve())
         state["step"] = int(state.get("step", chosen[0]))
         return state
-    raise ConfigError(f"{run_dir}/checkpoints changed three times while reading: retry")
+    raise ConfigError(f"{run_dir}/{CHECKPOINT_DIR} changed three times while reading: retry")
 
 
 def run_target_config(config: RunConfig) -> tuple[Any, Any]:
     """(target HF config, tokenizer) of a run, without loading the target's weights."""
-    from training.compile.warm import target_config
     from training.model.target import load_tokenizer, model_source
+    from training.run.warm import target_config
 
     folder, tok_dir = model_source(config)
     return target_config(config, folder), load_tokenizer(tok_dir)
@@ -181,7 +184,7 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, dtype: str 
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; engines may run as another user
-        (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
         tokenizer.save_pretrained(str(tmp))
         _replace_dir(tmp, out)
     except BaseException:
@@ -197,7 +200,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     if not out.exists():
         tmp.rename(out)
         return
-    if any(out.iterdir()) and not (out / "config.json").is_file():
+    if any(out.iterdir()) and not (out / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"export --out {out} is a non-empty folder that is not an export: choose another")
     old = out.with_name(f".{out.name}.{os.getpid()}.old")
     out.rename(old)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
 
+from training.contract import CHECKPOINT_DIR, CONFIG_FILE
 from training.events import EventWriter
 
 BLOCK_SIZE = 16
@@ -119,7 +120,7 @@ def print_buckets(events: EventWriter) -> None:
 def checkpoint(events: EventWriter, settings: Settings, step: int) -> None:
     events.phase("checkpoint")
     start = time.monotonic()
-    path = settings.run_dir / "checkpoints" / f"step-{step:06d}.json"
+    path = settings.run_dir / CHECKPOINT_DIR / f"step-{step:06d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     try:
@@ -143,7 +144,7 @@ def train(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
-    (settings.run_dir / "config.json").write_text(
+    (settings.run_dir / CONFIG_FILE).write_text(
         json.dumps({**asdict(settings), "run_dir": str(settings.run_dir)}, indent=2) + "\n", encoding="utf-8"
     )
     started = time.monotonic()

@@ -114,7 +114,9 @@ target() {  # qwen3.6-27b-random forward on one H200: fast path with a cold, the
 }
 HYBRID_WORKDIR=/tmp/fleet-hybrid
 hybrid_inventory() {  # a local target of every GPU here running qwen3.6-27b-random, 2+ GPUs as 1+1 (one bucket)
-    local n topo; n=$(gpu_count); topo=$(topology_line "$n")
+    # one GPU: one process (the config's pipeline.topology, 5+3, does not fit one GPU)
+    local n topo one=""; n=$(gpu_count); topo=$(topology_line "$n")
+    if [ "$n" -lt 2 ]; then one='"--pipeline.topology=", '; fi
     cat > /tmp/fleet-hybrid.toml <<TOML
 default_target = "h200"
 [targets.h200]
@@ -125,7 +127,7 @@ $topo
 env = ""
 [targets.h200.run]
 config = "qwen3.6-27b-random"
-overrides = ["--train.steps=${HYBRID_STEPS:-40}", "--train.log_every=1", "--data.num_buckets=1",
+overrides = [${one}"--train.steps=${HYBRID_STEPS:-40}", "--train.log_every=1", "--data.num_buckets=1",
              "--data.corpus_files=300", "--pipeline.balance_window_s=5"]
 [targets.h200.commands]
 python = "python3"

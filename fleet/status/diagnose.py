@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from training.contract import CHECKPOINT_DIR
 from training.contract import RANK_PREFIX as _RANK_PREFIX
 from training.contract import log_lines as clean_lines  # NULs, \r and rank prefixes handled
 
@@ -196,7 +197,7 @@ def _disk_full(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
     return Diagnosis(
         "disk-full",
         f"the disk is full (No space left on device){where}",
-        "free space on the target (`df -h` there): old runs' checkpoints (runs/*/checkpoints), unused "
+        f"free space on the target (`df -h` there): old runs' checkpoints (runs/*/{CHECKPOINT_DIR}), unused "
         "envs (`fab env-rebuild --gc`), the compile cache; keep fewer checkpoints (checkpoint.keep); "
         "then `fab train` resumes from the last complete checkpoint",
         _short(lines[i]),
@@ -226,7 +227,7 @@ def _native_crash(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
 
 
 def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
-    """training.topology's one line for a torchrun rendezvous that did not come up."""
+    """training.launch's one line for a torchrun rendezvous that did not come up."""
     return Diagnosis(
         "rendezvous",
         f"torchrun's ranks did not meet: {m.group(1)}",

@@ -24,8 +24,8 @@ from fleet import remote
 from fleet.errors import ConfigError, GpuGateError, RunError
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
-from fleet.status.model import GpuRow, RunFacts, RunStatus, build_status
-from training.contract import EVENTS_FILE
+from fleet.status.model import GpuRow, RunFacts, RunStatus, State, build_status
+from training.contract import EVENTS_FILE, EXIT_CODE_FILE, LOG_FILE
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -236,7 +236,7 @@ def never_status(name: str, workdir: str) -> RunStatus:
     """The status of a target with no run yet (state ``never``, exit 0)."""
     st = build_status(name, RunFacts(), "", "")
     note = f"no run under {workdir}/runs yet: `fab train` starts one"
-    return replace(st, state="never", notes=(note,))
+    return replace(st, state=State.NEVER, notes=(note,))
 
 
 def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool, RunFacts]:
@@ -247,7 +247,7 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
         )
     events_path = log_path = None
     if path.is_dir():
-        events_path, log_path = path / EVENTS_FILE, path / "train.log"
+        events_path, log_path = path / EVENTS_FILE, path / LOG_FILE
     elif path.suffix == ".jsonl":
         events_path = path
     else:
@@ -257,8 +257,8 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
     if not events_text and not log_text:
         raise ConfigError(f"--log {path}: found no events.jsonl or train.log there")
     exit_code = None
-    if path.is_dir() and (path / "exit_code").is_file():
-        exit_code = _int((path / "exit_code").read_text(errors="replace"))
+    if path.is_dir() and (path / EXIT_CODE_FILE).is_file():
+        exit_code = _int((path / EXIT_CODE_FILE).read_text(errors="replace"))
     if path.is_dir():
         run_id = path.name
     else:

@@ -44,6 +44,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from fleet.inventory import STALL_WINDOW_S
@@ -57,31 +58,43 @@ from fleet.status.diagnose import (
 )
 from training.contract import BucketTable, find_bucket_table, parse_events
 
-STATE_EXIT_CODES: dict[str, int] = {
-    "never": 0,
-    "starting": 0,
-    "loading": 0,
-    "compiling": 0,
-    "training": 0,
-    "evaluating": 0,
-    "checkpointing": 0,
-    "finished": 0,
-    "stopped": 10,
-    "stalled": 11,
-    "failed": 12,
-}
-PHASE_STATES: dict[str, str] = {
-    "load_data": "loading",
-    "buckets": "loading",
-    "load_target": "loading",
-    "load_drafter": "loading",
-    "compile": "compiling",
-    "train": "training",
-    "eval": "evaluating",
-    "checkpoint": "checkpointing",
-    "done": "finished",
-    "stopped": "stopped",
-    "error": "failed",
+
+class State(StrEnum):
+    """A run's state (``fab status``'s ``state``, ``fab runs``'s): the values are the words shown."""
+
+    NEVER = "never"  # no run on the target
+    STARTING = "starting"
+    LOADING = "loading"
+    COMPILING = "compiling"
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    CHECKPOINTING = "checkpointing"
+    FINISHED = "finished"
+    STOPPED = "stopped"
+    STALLED = "stalled"
+    FAILED = "failed"
+    LIVE = "live"  # `fab runs`: a run whose process is alive, whatever its phase
+
+    @property
+    def exit_code(self) -> int:
+        """`fab status`'s exit code: 0, or 10 stopped / 11 stalled / 12 failed."""
+        return {State.STOPPED: 10, State.STALLED: 11, State.FAILED: 12}.get(self, 0)
+
+
+ENDED = (State.FINISHED, State.STOPPED, State.FAILED)  # the run's process is gone for good
+STATE_EXIT_CODES: dict[str, int] = {state: state.exit_code for state in State if state is not State.LIVE}
+PHASE_STATES: dict[str, State] = {
+    "load_data": State.LOADING,
+    "buckets": State.LOADING,
+    "load_target": State.LOADING,
+    "load_drafter": State.LOADING,
+    "compile": State.COMPILING,
+    "train": State.TRAINING,
+    "eval": State.EVALUATING,
+    "checkpoint": State.CHECKPOINTING,
+    "done": State.FINISHED,
+    "stopped": State.STOPPED,
+    "error": State.FAILED,
 }
 FINAL_PHASES = ("done", "stopped", "error")
 
@@ -136,6 +149,7 @@ class Checkpoint:
 class ErrorInfo:
     type: str
     message: str
+    peer_host: str = ""  # an N+M rank's error: the host of the peer it lost (contract.ERROR_PEER_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -224,11 +238,11 @@ class RunStatus:
 
     @property
     def exit_code(self) -> int:
-        return STATE_EXIT_CODES[self.state]
+        return State(self.state).exit_code
 
     @property
     def final(self) -> bool:
-        return self.state in ("never", "finished", "stopped", "failed")
+        return self.state in (State.NEVER, *ENDED)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (NaN/inf -> null): state, phase, step, loss, tokens_per_s, diagnosis, ..."""
@@ -329,21 +343,21 @@ def derive_state(
     stall_window_s: float,
 ) -> tuple[str, float | None, str]:
     """(state, since, note) from the phase and the liveness facts — the transitions in the docstring."""
-    state = PHASE_STATES.get(phase, "starting")
+    state = PHASE_STATES.get(phase, State.STARTING)
     if facts.alive is False:
         ended = facts.log_mtime or last_activity
         if facts.exit_code is not None and facts.exit_code != 0:
-            return "failed", ended, f"exited with status {facts.exit_code}"
+            return State.FAILED, ended, f"exited with status {facts.exit_code}"
         if facts.exit_code == 0:
-            return ("finished" if phase == "done" else "stopped"), ended, "exited with status 0"
-        if state in ("finished", "stopped", "failed"):
+            return (State.FINISHED if phase == "done" else State.STOPPED), ended, "exited with status 0"
+        if state in ENDED:
             return state, phase_since, "process gone"
-        return "failed", ended, "the run's process is gone and left no exit status"
-    if facts.alive and state not in ("finished", "stopped", "failed"):
+        return State.FAILED, ended, "the run's process is gone and left no exit status"
+    if facts.alive and state not in ENDED:
         if facts.now is not None and last_activity is not None:
             if facts.now - last_activity > stall_window_s:
                 age = facts.now - last_activity
-                return "stalled", last_activity, f"no new event or log output for {age:.0f}s"
+                return State.STALLED, last_activity, f"no new event or log output for {age:.0f}s"
     return state, phase_since, ""
 
 
@@ -484,7 +498,9 @@ def build_status(
                 rank, str(ev.get("model_type", "")), linear, kernels, str(ev.get("fast_path", ""))
             )
         elif kind == "error":
-            error = ErrorInfo(str(ev.get("type", "")), str(ev.get("message", "")))
+            error = ErrorInfo(
+                str(ev.get("type", "")), str(ev.get("message", "")), str(ev.get("peer_host", ""))
+            )
 
     if buckets is None:
         buckets = find_bucket_table(log_text)
@@ -557,7 +573,7 @@ def build_status(
         eval_tau_prompt=eval_tau_prompt,
         tokens_per_s=sum(step_median.values()) if step_median else None,
         tokens_per_s_by_role=by_role,
-        eta_s=eta_seconds(live_steps) if state not in ("finished", "stopped", "failed") else None,
+        eta_s=eta_seconds(live_steps) if state not in ENDED else None,
         gpus=tuple(gpus),
         compile_cache=cache,
         last_checkpoint=checkpoint,

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.errors import ConfigError, FleetError
-from fleet.status.model import RunStatus
+from fleet.status.model import RunStatus, State
 
 
 def watch_interval(value: bool | str | float | None) -> float | None:
@@ -116,7 +116,12 @@ def _ranks(ranks: Sequence[int]) -> str:
 def render(st: RunStatus, now: float | None = None) -> Group:
     """The picture of one run: state, progress, speed, buckets, GPUs, diagnosis."""
     now = now if now is not None else time.time()
-    style = {"failed": "bold red", "stalled": "bold yellow", "stopped": "yellow", "finished": "green"}
+    style = {
+        State.FAILED: "bold red",
+        State.STALLED: "bold yellow",
+        State.STOPPED: "yellow",
+        State.FINISHED: "green",
+    }
     head = Text.assemble(
         (f"{st.target}", "bold"),
         f"  run {st.run_id or '-'}  release {st.release or '-'}",

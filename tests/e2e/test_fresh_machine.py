@@ -39,7 +39,7 @@ TESTS = (
 # A 1+1 topology run: this container's hostname has no /etc/hosts line (none at all, as debootstrap
 # leaves it), where torchrun --standalone never forms its rendezvous.
 TOPOLOGY = (
-    ".venv/bin/python -m training.topology --nproc-per-node=2 -m training train --config tiny-cpu "
+    ".venv/bin/python -m training.launch --nproc-per-node=2 -m training train --config tiny-cpu "
     "--run-dir /tmp/topology-run --topology 1+1 --train.steps=2 --train.torch_threads=1 "
     "--eval.num_prompts=0 --checkpoint.every=0"
 )

@@ -121,7 +121,7 @@ class Wide:
         agents = [
             line.split()[0]
             for line in ct(self.hosts, self.ids[name], "ps", "-eo", "pid=,args=").stdout.splitlines()
-            if line.split()[2:4] == ["-m", "training.topology"] and self.workdirs[name] in line
+            if line.split()[2:4] == ["-m", "training.launch"] and self.workdirs[name] in line
         ]
         assert len(agents) == 1, agents
         ct(self.hosts, self.ids[name], "kill", "-9", agents[0], check=True)

@@ -217,8 +217,8 @@ def test_killed_diagnosis_names_who_killed_the_run() -> None:
 
 
 def test_a_rendezvous_that_did_not_come_up() -> None:
-    """Real logs of `python -m training.topology` under run.sh: a 2-node rendezvous that timed out,
-    and an endpoint whose host does not resolve (training.topology's one line each)."""
+    """Real logs of `python -m training.launch` under run.sh: a 2-node rendezvous that timed out,
+    and an endpoint whose host does not resolve (training.launch's one line each)."""
     (timeout,) = diagnose((LOGS / "rendezvous_timeout.log").read_text())
     assert timeout.signature == "rendezvous" and "did not form within 5 s" in timeout.cause
     assert timeout.fix.startswith("start the same command on every node")

@@ -14,7 +14,8 @@ import pytest
 from fleet import doctor
 from fleet.doctor import Bandwidth, Facts, RunNeeds
 from fleet.gpus import Answer
-from fleet.inventory import Commands, ContainerSpec, RunSpec, TargetSpec, Topology
+from fleet.inventory import Commands, ContainerSpec, RunSpec, TargetSpec, Topology, load_inventory
+from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -26,6 +27,11 @@ def read(*parts: str) -> str:
     return FIXTURES.joinpath(*parts).read_text()
 
 
+def run_of(config: str, *overrides: str) -> RunSpec:
+    """The run as the inventory loads it: the config read with the trainer's loader."""
+    return RunSpec(config=config, overrides=overrides, loaded=load_config(config, overrides))
+
+
 def spec_for(**changes: object) -> TargetSpec:
     base: dict[str, object] = {
         "name": "ct200",
@@ -35,7 +41,7 @@ def spec_for(**changes: object) -> TargetSpec:
         "gpus": 2,
         "topology": Topology(1, 1),
         "env": "",
-        "run": RunSpec(config="tiny-cpu"),
+        "run": run_of("tiny-cpu"),
         "commands": Commands(),
     }
     base.update(changes)
@@ -58,7 +64,7 @@ def with_sections(
 
 
 def tiny_needs(spec: TargetSpec) -> RunNeeds:
-    return doctor.run_needs(spec, doctor.read_run_config(REPO, spec))
+    return doctor.run_needs(spec)
 
 
 def verdict(facts: Facts, spec: TargetSpec | None = None, **kw: object) -> doctor.DoctorReport:
@@ -209,23 +215,38 @@ def test_run_sizes_match_what_was_measured_on_h200() -> None:
         ("qwen3-8b-h200", 671_088_640, 1.05e9),
         ("qwen3-27b-random", 838_860_800, 2.0e9),
     ):
-        spec = spec_for(run=RunSpec(config=config), gpus=2)
-        needs = doctor.run_needs(spec, doctor.read_run_config(REPO, spec))
+        spec = spec_for(run=run_of(config), gpus=2)
+        needs = doctor.run_needs(spec)
         assert needs.batch_hidden_bytes == batch
         assert abs(needs.drafter_params - drafter) / drafter < 0.03, needs.drafter_params
 
 
+def test_the_shipped_default_is_sized_as_smollm2_135m() -> None:
+    spec = load_inventory(REPO / "fleet.toml").targets["local"]
+    needs = doctor.run_needs(spec)
+    assert (spec.run.config, needs.kind) == ("smol-cpu", "smol")
+    assert needs.shape is not None
+    assert (needs.shape.hidden_size, needs.shape.num_hidden_layers, needs.shape.vocab_size) == (
+        576,
+        30,
+        49152,
+    )
+    # float32 on CPU; 5 target layers x 576 per token
+    assert needs.dtype_bytes == 4 and needs.hidden_bytes_per_token == 5 * 576 * 4
+    (run,) = [f for f in doctor.evaluate(spec, recorded(), needs).findings if f.check == "run size"]
+    assert "576 wide, 30 layers, vocab 49,152" in run.message
+
+
 def test_pretrained_target_shape_comes_from_its_config_json() -> None:
-    spec = spec_for(run=RunSpec(config="qwen3.6-27b-5p3", overrides=("--data.token_budget=16384",)), gpus=8)
-    raw = doctor.read_run_config(REPO, spec)
+    spec = spec_for(run=run_of("qwen3.6-27b-5p3", "--data.token_budget=16384"), gpus=8)
     text_config = {"hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 17408}
     text_config.update(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     qwen36 = {"text_config": text_config}
-    needs = doctor.run_needs(spec, raw, qwen36, 55 * 1024**3)
+    needs = doctor.run_needs(spec, qwen36, 55 * 1024**3)
     assert needs.kind == "pretrained" and needs.model_path == "/workspace/models/Qwen3.6-27B"
     assert needs.hidden_bytes_per_token == 5 * 5120 * 2 and needs.token_budget == 16384
     assert needs.target_bytes == 55 * 1024**3 and needs.keep_checkpoints == 3
-    unknown = doctor.run_needs(spec_for(run=RunSpec(config="selftest")), None)
+    unknown = doctor.run_needs(spec_for(run=RunSpec(config="/on/the/target.toml")))
     assert not unknown.known
 
 
@@ -316,8 +337,8 @@ def test_nccl_needs_each_name_the_fault() -> None:
 
 
 def test_memory_limit_against_a_pretrained_target() -> None:
-    spec = spec_for(run=RunSpec(config="qwen3.6-27b-5p3"), gpus=8, topology=Topology(5, 3))
-    needs = doctor.run_needs(spec, doctor.read_run_config(REPO, spec), {"hidden_size": 5120}, 55 * 1024**3)
+    spec = spec_for(run=run_of("qwen3.6-27b-5p3"), gpus=8, topology=Topology(5, 3))
+    needs = doctor.run_needs(spec, {"hidden_size": 5120}, 55 * 1024**3)
     report = doctor.evaluate(spec, recorded(), needs)
     memory = by_check(report)["memory"]
     assert (

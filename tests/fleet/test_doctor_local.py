@@ -19,21 +19,25 @@ def fab(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def local_config(tmp_path: Path, env: str = "", python: str = sys.executable) -> Path:
+def local_config(
+    tmp_path: Path, env: str = "", python: str = sys.executable, run_config: str = "tiny-cpu"
+) -> Path:
     config = tmp_path / "fleet.toml"
     config.write_text(
         f'default_target = "here"\n[targets.here]\nhost = "local"\nworkdir = "state"\n'
         f'gpus = 0\nenv = "{env}"\n'
-        f'[targets.here.run]\nconfig = "tiny-cpu"\n[targets.here.commands]\npython = "{python}"\n'
+        f'[targets.here.run]\nconfig = "{run_config}"\n[targets.here.commands]\npython = "{python}"\n'
     )
     return config
 
 
-def test_doctor_on_a_cpu_target(tmp_path: Path) -> None:
-    result = fab(local_config(tmp_path), "doctor")
+def test_doctor_on_a_cpu_target_sizes_the_shipped_smol_run(tmp_path: Path) -> None:
+    result = fab(local_config(tmp_path, run_config="smol-cpu"), "doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gpus = 0: passthrough, driver, topology and health do not apply" in result.stdout
     assert "here: OK: fit to train" in result.stdout
+    # SmolLM2-135M as its model card has it, not the tiny model's defaults
+    assert "smol-cpu: target (smol) 576 wide, 30 layers, vocab 49,152" in " ".join(result.stdout.split())
 
 
 def test_doctor_bandwidth_on_cpu_measures_two_gloo_processes(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from testkit import LocalTmux, wait_for
 from fleet import deploy as d
 from fleet import runs
 from fleet.errors import ConfigError, RunError
-from fleet.export import export_argv, export_drafter, fetch_export
+from fleet.export import export_drafter, fetch_export
 from fleet.inventory import Commands, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import LocalTarget, open_target
@@ -66,20 +66,6 @@ def target(tmp_path: Path, local_tmux: LocalTmux, tiny_cache: Path) -> Iterator[
 def _steps(run_dir: str) -> list[int]:
     path = Path(run_dir) / "events.jsonl"
     return [int(e["step"]) for e in read_events(path) if e["event"] == "step"] if path.exists() else []
-
-
-def test_export_argv() -> None:
-    assert export_argv("py", "training", "/w/runs/r", "/w/runs/r/export", None) == [
-        "py",
-        "-m",
-        "training",
-        "export",
-        "--run-dir",
-        "/w/runs/r",
-        "--out",
-        "/w/runs/r/export",
-    ]
-    assert export_argv("py", "training", "/r", "/o", 6)[-2:] == ["--step", "6"]
 
 
 def test_export_from_a_live_run_copies_the_folder_and_leaves_the_run_alone(

@@ -294,3 +294,38 @@ command = ["/usr/local/bin/page-me", "--fleet"]
     assert "notify.url" in str(err.value) and "secret" not in str(err.value)
     with pytest.raises(ConfigError, match=r"restart\.max = -1 must be >= 0"):
         load_inventory(write(tmp_path, text.replace("max = 2", "max = -1")))
+
+
+# --- the run's shape: the run config read once, at load, with the trainer's loader ------------------
+
+ONE_GPU_27B = LOCAL + 'gpus = 1\n[targets.local.run]\nconfig = "qwen3.6-27b-random"\n'
+
+
+def test_run_config_is_loaded_with_the_trainers_loader(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, LOCAL + '[targets.local.run]\noverrides = ["--train.steps=7"]\n'))
+    loaded = inv.targets["local"].run.loaded
+    assert loaded is not None and loaded.name == "tiny-cpu" and loaded.train.steps == 7
+    bad = write(tmp_path, LOCAL + '[targets.local.run]\noverrides = ["--train.stepz=7"]\n')
+    with pytest.raises(ConfigError, match=r"targets\.local\.run: override --train\.stepz: unknown key"):
+        load_inventory(bad)
+
+
+def test_config_topology_is_the_default_and_the_inventorys_wins(tmp_path: Path) -> None:
+    eight = ONE_GPU_27B.replace("gpus = 1", "gpus = 8")
+    assert load_inventory(write(tmp_path, eight)).targets["local"].topology == Topology(5, 3)
+    mine = eight.replace("gpus = 8", 'gpus = 8\ntopology = "6+2"')
+    assert load_inventory(write(tmp_path, mine)).targets["local"].topology == Topology(6, 2)
+    single = ONE_GPU_27B + 'overrides = ["--pipeline.topology="]\n'
+    assert load_inventory(write(tmp_path, single)).targets["local"].topology is None
+
+
+def test_train_refuses_a_config_topology_that_does_not_fit_gpus(tmp_path: Path) -> None:
+    result = fab(write(tmp_path, ONE_GPU_27B), "train")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"fleet: {tmp_path / 'fleet.toml'}: targets.local.run.config = 'qwen3.6-27b-random' has "
+        'pipeline.topology = "5+3" (8 GPUs) but targets.local.gpus = 1; set targets.local.gpus and '
+        'targets.local.topology to agree, or add "--pipeline.topology=" to targets.local.run.overrides '
+        "for one process"
+    )
+    assert not (tmp_path / "state").exists()  # refused before anything ran

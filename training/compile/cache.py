@@ -40,7 +40,9 @@ from typing import Any, Protocol
 
 import torch
 
-ROOT_ENV = "FLEET_COMPILE_CACHE"
+from training.contract import COMPILE_CACHE_ENV
+
+ROOT_ENV = COMPILE_CACHE_ENV
 MANIFEST_FILE = "manifest.json"
 BLOB_FILE = "megacache.bin"
 ENV_MANIFEST = Path("fleet-env") / "manifest.json"

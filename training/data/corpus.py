@@ -18,6 +18,8 @@ import tarfile
 from functools import cache
 from pathlib import Path
 
+from training.contract import TRAINING_CACHE_ENV
+
 CORPUS_ARCHIVE = Path(__file__).resolve().parents[1] / "assets" / "python-stdlib-3.11.7.tar.gz"
 CORPUS_SHA256 = "d9ecec0cfc03f0922d52c38512cb7d7b57ef722b1d717700e6b056da926a1c84"
 
@@ -26,7 +28,7 @@ def default_cache_dir(configured: str = "") -> Path:
     """``configured``, else ``$FLEET_TRAINING_CACHE``, else ``~/.cache/fleet-training``."""
     if configured:
         return Path(configured).expanduser()
-    env = os.environ.get("FLEET_TRAINING_CACHE")
+    env = os.environ.get(TRAINING_CACHE_ENV)
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "fleet-training"

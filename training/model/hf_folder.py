@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from training.config import ConfigError
+from training.contract import HF_CONFIG_FILE
 from training.model.drafter import DFlashDrafter
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -23,7 +24,7 @@ def read_export(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = folder.expanduser()
-    cfg_path, weights_path = folder / "config.json", folder / WEIGHTS
+    cfg_path, weights_path = folder / HF_CONFIG_FILE, folder / WEIGHTS
     if not cfg_path.is_file() or not weights_path.is_file():
         raise ConfigError(f"{folder} is not an exported drafter (needs config.json and {WEIGHTS})")
     body = json.loads(cfg_path.read_text(encoding="utf-8"))

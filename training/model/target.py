@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, ModelSection, RunConfig
+from training.contract import HF_CONFIG_FILE
 from training.data.corpus import default_cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +80,7 @@ def load_target(path: str | Path, device: torch.device | str, dtype: torch.dtype
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"model folder {folder} does not exist: set model.path to a local HF model folder")
-    if not (folder / "config.json").is_file():
+    if not (folder / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"model folder {folder} has no config.json: not a Hugging Face model folder")
     device = torch.device(device)
     dtype = dtype or resolve_dtype("auto", device)
@@ -155,7 +156,7 @@ def model_source(config: RunConfig) -> tuple[str, str]:
             return "", config.model.tokenizer_path
         return "", str(build_tiny_model(ModelSection(), cache_dir, STAND_IN_TOKENIZER_FILES))
     folder = Path(config.model.path).expanduser()
-    if not (folder / "config.json").is_file():
+    if not (folder / HF_CONFIG_FILE).is_file():
         what = "does not exist" if not folder.exists() else "has no config.json (not an HF model folder)"
         raise ConfigError(f"model.path {folder} {what}: point model.path at a local model folder")
     return str(folder), config.model.tokenizer_path or str(folder)

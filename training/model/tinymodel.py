@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import DataSection, ModelSection
+from training.contract import HF_CONFIG_FILE
 from training.data.corpus import CORPUS_SHA256, build_default_corpus, iter_texts
 
 # The tokenizer a ``random`` target without one borrows is the default tiny model's, trained on
@@ -246,7 +247,7 @@ def build_tiny_model(model: ModelSection, cache_dir: Path, corpus_files: int) ->
     if model.architecture != "qwen3":
         name = f"tiny-{model.architecture}-{model.checkpoint_layout}"
     folder = cache_dir / f"{name}-{tiny_key(model, corpus_files)}"
-    if (folder / "config.json").is_file():
+    if (folder / HF_CONFIG_FILE).is_file():
         return folder
     import torch
 
@@ -280,7 +281,7 @@ def save_model_folder(folder: Path, model: Any, tokenizer: Any) -> Path:
     try:
         tmp.rename(folder)
     except OSError:
-        if not (folder / "config.json").is_file():  # not a concurrent builder winning the race
+        if not (folder / HF_CONFIG_FILE).is_file():  # not a concurrent builder winning the race
             raise
         shutil.rmtree(tmp)
     return folder

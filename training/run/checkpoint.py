@@ -49,7 +49,6 @@ import json
 import math
 import os
 import random
-import re
 import threading
 import time
 import zipfile
@@ -66,16 +65,15 @@ from training.config import ConfigError, RunConfig, TrainingError
 from training.contract import (
     CHECKPOINT_DIR,
     CHECKPOINT_MANIFEST_SUFFIX,
-    CHECKPOINT_NAME,
-    CHECKPOINT_PATTERN,
+    CHECKPOINT_RE,
     CHECKPOINT_SET_ASIDE_SUFFIX,
+    CONFIG_FILE,
+    checkpoint_name,
 )
 from training.data.buckets import Position
 from training.events import EventWriter
 
 Echo = Callable[[str], None]
-
-_NAME = re.compile(CHECKPOINT_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / CHECKPOINT_NAME.format(step=step)
+    return checkpoint_dir(run_dir) / checkpoint_name(step)
 
 
 def manifest_path(checkpoint: Path) -> Path:
@@ -129,7 +127,7 @@ class Rejected:
 
 
 @dataclass(frozen=True)
-class ResumePoint:
+class ResumeDecision:
     """The resume decision for a run dir: the newest checkpoint that passed its check (``path``
     None, ``step`` 0: nothing to resume from) and the newer ones that failed, newest first."""
 
@@ -145,7 +143,7 @@ class ResumePoint:
 
 def check_resumable(
     config: RunConfig, run_dir: Path, *, verify: bool = True, set_aside: bool = False
-) -> ResumePoint:
+) -> ResumeDecision:
     """The one resume decision (see the module docstring): the config must be the one the run dir's
     checkpoints were saved with (``ConfigError`` naming the changed keys otherwise: a resume would
     load weights of another shape, or continue another data order silently); then the newest
@@ -156,8 +154,8 @@ def check_resumable(
 
     found = list_checkpoints(run_dir)
     if not found:
-        return ResumePoint(0, None)
-    saved_path = run_dir / "config.json"
+        return ResumeDecision(0, None)
+    saved_path = run_dir / CONFIG_FILE
     if saved_path.is_file():
         try:
             saved = json.loads(saved_path.read_text(encoding="utf-8"))
@@ -170,17 +168,17 @@ def check_resumable(
             raise ConfigChanged(run_dir, changed)
     if not verify:
         step, path = found[-1]
-        return ResumePoint(step, path.resolve())
+        return ResumeDecision(step, path.resolve())
     rejected: list[Rejected] = []
     for step, path in reversed(found):
         reason = verify_checkpoint(path, step)
         if not reason:
-            return ResumePoint(step, path.resolve(), tuple(rejected))
+            return ResumeDecision(step, path.resolve(), tuple(rejected))
         if not path.exists():  # renamed or pruned meanwhile by the process that owns the run dir
             continue
         moved = set_aside_checkpoint(path) if set_aside else None
         rejected.append(Rejected(step, path.resolve() if moved is None else path, reason, moved))
-    return ResumePoint(0, None, tuple(rejected))
+    return ResumeDecision(0, None, tuple(rejected))
 
 
 class ConfigChanged(ConfigError):
@@ -276,7 +274,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in folder.iterdir():
-        match = _NAME.match(path.name)
+        match = CHECKPOINT_RE.fullmatch(path.name)
         if match:
             found.append((int(match[1]), path))
     return sorted(found)
@@ -523,7 +521,7 @@ def remove_stale_temps(run_dir: Path) -> int:
         p
         for p in folder.iterdir()
         if p.name.endswith(CHECKPOINT_MANIFEST_SUFFIX)
-        and _NAME.match(p.name.removesuffix(CHECKPOINT_MANIFEST_SUFFIX))
+        and CHECKPOINT_RE.fullmatch(p.name.removesuffix(CHECKPOINT_MANIFEST_SUFFIX))
         and not p.with_name(p.name.removesuffix(CHECKPOINT_MANIFEST_SUFFIX)).exists()
     ]
     for path in stale:
@@ -632,11 +630,11 @@ class CheckpointManager:
         self.total_steps = config.train.steps
         self.known_good: set[int] = set()
         self.writer = CheckpointWriter(self.run_dir, config.checkpoint.keep, self.known_good)
-        self.point = ResumePoint(0, None)
+        self.point = ResumeDecision(0, None)
         self.last_saved = 0
 
     # ------------------------------------------------------------ resume
-    def check(self, *, verify: bool | None = None) -> ResumePoint:
+    def check(self, *, verify: bool | None = None) -> ResumeDecision:
         """The resume decision (``check_resumable``; a writer sets failing checkpoints aside, one
         line each; their events follow in ``resume``). ``verify`` defaults to ``writes``."""
         verify = self.writes if verify is None else verify

@@ -3,7 +3,7 @@
 The single-process trainer (``training.run.single``: target and drafter in one process) and the
 drafter ranks of an N+M job (``training.run.distributed``) differ only in where hidden states come
 from and who writes what; everything else about training the drafter is here, written once,
-and so are the pieces ``training.run.plan`` (the split probe) and ``training.compile.warm`` (the compile
+and so are the pieces ``training.run.plan`` (the split probe) and ``training.run.warm`` (the compile
 warm-up) reuse:
 
     drafter_config, build_drafter     the run config's drafter, sharing the target's embedding/lm_head
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, RunConfig, config_to_dict
+from training.contract import DATA_CACHE_ENV
 from training.data.buckets import Position, format_bucket_table
 from training.data.corpus import default_cache_dir
 from training.data.dataset import TrainData, load_tokenized
@@ -319,9 +320,6 @@ def compiles(config: RunConfig, device: torch.device) -> bool:
     """Whether a run compiles: ``compile.enabled`` on, or auto on a GPU."""
     mode = config.compile.enabled
     return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
-DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # fleet's shared data cache of a workdir (one for all its runs)
 
 
 def data_cache_dir(config: RunConfig, default: Path) -> Path:

@@ -44,14 +44,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from training.compile import warm
+from training import contract
 from training.compile.cache import CounterReporter
 from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
 from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
-from training.run import core
+from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite, check_resumable
 from training.run.pipeline import (
     CREDIT,
@@ -584,7 +584,7 @@ def train_distributed(
         extra = {}
         if isinstance(peer, int) and 0 <= peer < len(ctx.peers):  # who was lost: for fab status
             lost = ctx.peers[peer]
-            extra = {"peer_rank": lost.rank, "peer_role": lost.role, "peer_host": lost.host}
+            extra = contract.peer_fields(lost.rank, lost.role, lost.host)
         events.error(exc, message, **extra)
         events.close()
         print(f"error: {message}", file=sys.stderr, flush=True)

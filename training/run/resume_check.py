@@ -11,6 +11,7 @@ Prints, one per line:
                                         total steps
     none                                no checkpoint that passed: nothing to resume
 
+(``training.contract``: ``format_rejected_line``, ``format_resume_line`` and their parsers)
 and exits 2 with ``changed settings: section.key old -> new; ...`` on stderr when they differ.
 """
 
@@ -20,20 +21,21 @@ import sys
 from pathlib import Path
 
 from training.config import load_config
+from training.contract import ResumePoint, format_rejected_line, format_resume_line
 from training.run.checkpoint import ConfigChanged, check_resumable
 
 
 def resume_check(config_name: str, run_dir: Path, overrides: list[str]) -> int:
     config = load_config(config_name, overrides)
     try:
-        point = check_resumable(config, run_dir)  # read-only: nothing is set aside here
+        decision = check_resumable(config, run_dir)  # read-only: nothing is set aside here
     except ConfigChanged as exc:
         print(f"changed settings: {'; '.join(exc.changed)}", file=sys.stderr)
         return 2
-    for rejected in point.rejected:
-        print(f"rejected {rejected.step} {rejected.text()}")
-    if point.path is None:
-        print("none")
-    else:
-        print(f"checkpoint {point.step} {config.train.steps} {point.path}")
+    for rejected in decision.rejected:
+        print(format_rejected_line(rejected.step, rejected.text()))
+    point = (
+        None if decision.path is None else ResumePoint(decision.step, config.train.steps, str(decision.path))
+    )
+    print(format_resume_line(point))
     return 0

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from training.compile import warm
 from training.config import RunConfig, load_config, write_config
+from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
@@ -36,7 +36,7 @@ from training.model.target import (
     resolve_device,
     target_forward,
 )
-from training.run import core
+from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite
 from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
@@ -343,7 +343,9 @@ def evaluate_run(config: RunConfig, run_dir: Path, export: Path | None = None) -
             load_export_into(trainer.drafter, export)
             print0(f"Loaded the exported drafter {export}")
         elif trainer.step == 0:
-            print0(f"eval: no checkpoint in {trainer.run_dir}/checkpoints; evaluating an untrained drafter")
+            print0(
+                f"eval: no checkpoint in {trainer.run_dir}/{CHECKPOINT_DIR}; evaluating an untrained drafter"
+            )
         trainer.evaluate()
     finally:
         trainer.close()

@@ -26,10 +26,10 @@ from testkit import TINY_COMPILE_OVERRIDES
 
 from training.__main__ import main as training_main
 from training.compile import cache as cc
-from training.compile.warm import compile_shapes, config_hash, run_warm
 from training.config import load_config
 from training.data.buckets import EpochPlanner
 from training.events import read_events
+from training.run.warm import compile_shapes, config_hash, run_warm
 
 REPO = Path(__file__).resolve().parents[3]
 FAB = Path(sys.executable).parent / "fab"
@@ -324,8 +324,8 @@ def test_prewarm_steps_every_shape_and_leaves_weights_grads_and_rng_alone() -> N
     """Eager (CPU, compile off): the same code path the compiled warm-up runs, cheaply."""
     from types import SimpleNamespace
 
-    from training.compile.warm import StandInTarget, prewarm
     from training.model.drafter import DFlashDrafter, DrafterConfig
+    from training.run.warm import StandInTarget, prewarm
 
     shape_cfg = SimpleNamespace(
         hidden_size=32,
@@ -372,7 +372,7 @@ def test_inductor_cache_key_holds_the_device_index_so_ranks_should_see_cuda0() -
     """Why one warm-up serves every process only when each sees its GPU as cuda:0
     (CUDA_VISIBLE_DEVICES): the FX-graph/AOTAutograd cache key of an input on cuda:5 differs
     from one on cuda:0 (fake tensors: no GPU needed). If torch stops doing that, this fails and
-    per-index caveats in training/compile/warm.py and docs/DESIGN.md can go."""
+    per-index caveats in training/run/warm.py and docs/DESIGN.md can go."""
     import torch.fx as fx
     from torch._inductor.codecache import FxGraphCachePickler
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -17,7 +17,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from training.compile import cache as cc
-from training.compile.warm import cut_target, run_target_shapes, warm_compiled_target
 from training.config import load_config
 from training.model.target import (
     build_random_target,
@@ -27,6 +26,7 @@ from training.model.target import (
     is_compiled,
     target_forward,
 )
+from training.run.warm import cut_target, run_target_shapes, warm_compiled_target
 
 REPO = Path(__file__).resolve().parents[3]
 # The tiny Qwen3 target's shape, random weights (tiny-cpu's [model]), 4 layers.
@@ -137,8 +137,8 @@ def test_a_target_rank_sets_the_guards_and_activates_the_cache(
 ) -> None:
     import numpy as np
 
-    from training.compile.warm import prepare_target_compile
     from training.data.buckets import EpochPlanner
+    from training.run.warm import prepare_target_compile
 
     planner = EpochPlanner(
         np.array([10] * 7 + [50] * 7 + [120] * 5),

@@ -255,7 +255,7 @@ def test_source_of_unwraps_only_transformers_fallback_wrappers() -> None:
 
 def test_warm_runs_the_target_kernels_on_a_cut_with_one_layer_of_each_kind(tiny_cache: Path) -> None:
     from training.compile.cache import ShapeRecord
-    from training.compile.warm import (
+    from training.run.warm import (
         kernel_probe_target,
         run_target_shapes,
         target_config,

@@ -120,10 +120,11 @@ def test_the_read_only_check_names_the_bad_one_and_moves_nothing(
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("rejected 2 checkpoint step 2 (") and "sha256 mismatch" in out[0], out
     assert out[1] == f"checkpoint 1 {CONFIG.train.steps} {checkpoint_path(tmp_path, 1).resolve()}", out
-    from fleet.runs import parse_rejected, parse_resume_check
+    from fleet.runs import parse_resume_check
+    from training.contract import parse_rejected_lines
 
     assert parse_resume_check("r", "\n".join(out)).step == 1  # type: ignore[union-attr]
-    assert parse_rejected("\n".join(out)) == (out[0].split(" ", 2)[2],)
+    assert parse_rejected_lines("\n".join(out)) == (out[0].split(" ", 2)[2],)
 
 
 def test_every_checkpoint_bad_means_nothing_to_resume(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ from training.compile.cache import (
     triton_version,
 )
 from training.config import ConfigError, RunConfig, config_to_dict, load_config
+from training.contract import COMPILE_CACHE_ENV
 from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
@@ -481,7 +482,7 @@ def warm_main(config_name: str, cache_dir: str, overrides: Sequence[str], *, if_
     config = load_config(config_name, list(overrides))
     root = resolve_root(cache_dir)
     if root is None:
-        raise ConfigError("warm: give --cache-dir DIR (or set $FLEET_COMPILE_CACHE)")
+        raise ConfigError(f"warm: give --cache-dir DIR (or set ${COMPILE_CACHE_ENV})")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from testkit import TINY_COMPILE_OVERRIDES
 
-from training.compile.warm import error_summary
+from training.run.warm import error_summary
 
 REPO = Path(__file__).resolve().parents[3]
 FAB = Path(sys.executable).parent / "fab"
