@@ -151,8 +151,13 @@ def test_a_bad_checkpoint_is_set_aside_and_a_non_finite_loss_fails_the_run(torch
             "the bad checkpoint set aside", lambda a=aside: hosts.ct_path(a).exists(), timeout=300
         )
         resumes.append(previous)
-        st = status(fleet)
-        assert any(f"checkpoint step {bad} failed its check ({reason}" in n for n in st["notes"]), st["notes"]
+        note = f"checkpoint step {bad} failed its check ({reason}"
+        testkit.wait_for(  # the event follows once the trainer resumes (after loading data and models)
+            "fab status to note it",
+            lambda note=note: any(note in n for n in status(fleet)["notes"]),
+            timeout=1800,
+            interval=2.0,
+        )
 
     st = wait_final(fleet)
     assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
