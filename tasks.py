@@ -42,6 +42,10 @@ def deploy(c: Context) -> None:
         release = fleet_deploy.deploy(target, repo_root())
         c.config["fleet_deployed"] = {target.name: release.id}  # `fab deploy train`: train skips a probe
         print(f"{target.name}: release {release.id} is current ({release.path})")
+        if target.spec.llamacpp != "off":
+            from fleet import engine
+
+            print(engine.ensure_llamacpp(target).text())
         if release.live_release:
             print(
                 f"{target.name}: the live run stays on release {release.live_release} (kept); "
@@ -58,9 +62,9 @@ def deploy(c: Context) -> None:
 )
 def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "") -> None:
     """Start the configured run in tmux, or resume the latest one."""
+    from fleet import compile_share, multihost, runs
     from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
-    from fleet import multihost, runs
 
     if run := selected_run():  # one torchrun agent per host, joined by the c10d rendezvous
         if from_:
@@ -69,8 +73,9 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
             )
         deployed = bool(c.config.get("fleet_deployed", {}).get(run.name))
         with multihost.opened(inventory(), run) as targets:
+            store = compile_share.store_for(inventory().root)
             started = multihost.train(
-                targets, run, repo_root(), warm=not no_warm, fresh=fresh, deployed=deployed
+                targets, run, repo_root(), warm=not no_warm, fresh=fresh, deployed=deployed, store=store
             )
         print("\n".join(multihost.started_lines(run, started)))
         return
@@ -81,7 +86,8 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
             fleet_envs.refuse_drift(target, repo_root())  # `fab deploy` checked it when it ran just now
         fleet_gpus.gate(target)  # refuses on dirty GPUs (GpuGateError names the PIDs); never kills
         if not no_warm:
-            runs.warm_cache(target, if_needed=True)  # compiles only when the key's cache is not complete
+            # compiles only when the key's cache is not complete (here, or on the controller)
+            runs.warm_cache(target, if_needed=True, store=compile_share.store_for(inventory().root))
         for line in (*plan.rejected, plan.note):
             if line:
                 print(f"{target.name}: {line}")
@@ -130,11 +136,11 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
         code = render.show(map_targets(c, fetch.fetch_status), as_json=json)  # exit: the worst state's
     else:  # one target, refreshed until its run ends
 
-        def follow(target: Target) -> RunStatus:
-            return render.watch(lambda: fetch.fetch_status(target), interval, as_json=json)
+        def follow(target: Target) -> RunStatus | None:
+            return render.watch(fetch.fetch_retrying(target, interval), interval, as_json=json)
 
         ((_name, st),) = map_targets(c, follow, allow_many=False, why_one="status --watch follows one target")
-        code = st.exit_code
+        code = st.exit_code if st is not None else 0  # None: ended with Ctrl-C
     if code:
         raise Exit(code=code)
 
@@ -172,10 +178,10 @@ def logs(c: Context, n: int = 40, follow: bool = False) -> None:
 @fleet_task(help={"force": "warm again even when the cache of this config is complete"})
 def warm(c: Context, force: bool = False) -> None:
     """Fill the compile cache for every shape (a smoke test too)."""
-    from fleet import runs
+    from fleet import compile_share, runs
 
     with single_target(c) as target:
-        if not runs.warm_cache(target, if_needed=not force):
+        if not runs.warm_cache(target, if_needed=not force, store=compile_share.store_for(inventory().root)):
             print(f"{target.name}: run.module is not the bundled trainer: nothing to warm")
 
 
@@ -293,19 +299,85 @@ def plan(c: Context, gpus: int = 0, json: bool = False, tokens_per_s: float = 0.
     help={
         "step": "export this checkpoint step (default: the newest)",
         "to": "then copy the folder to this local folder (replaced whole)",
+        "gguf": "also the drafter + its target as GGUF for llama.cpp (in <export>-gguf/ on the target)",
     }
 )
-def export(c: Context, step: int = -1, to: str = "") -> None:
+def export(c: Context, step: int = -1, to: str = "", gguf: bool = False) -> None:
     """Export the latest run's drafter as a folder SGLang/vLLM load (--to copies it here)."""
     from fleet import export as fleet_export
 
     with single_target(c) as target:
-        print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to).text())
+        print(fleet_export.export_drafter(target, step=None if step < 0 else step, to=to, gguf=gguf).text())
+
+
+@fleet_task(
+    name="serve-bench",
+    help={
+        "draft_lengths": "comma-separated draft lengths (default: 1, 3, block/2 - 1, block - 1)",
+        "prompts": "held-out prompts (default: all the run holds out)",
+    },
+)
+def serve_bench(c: Context, draft_lengths: str = "", prompts: int = 0) -> None:
+    """The latest run's drafter in llama.cpp vs the target alone: tok/s, speedup, acceptance."""
+    from fleet import export as fleet_export
+
+    with single_target(c) as target:
+        print(fleet_export.serve_bench(target, draft_lengths=draft_lengths, prompts=prompts))
+
+
+@fleet_task(help={"json": "print JSON"})
+def data(c: Context, json: bool = False) -> None:
+    """Report the run's data: records, tokens, drops, lengths, bucket plan."""
+    from fleet import runs
+
+    with single_target(c) as target:
+        print(runs.data_report(target, as_json=json))
+
+
+@fleet_task(
+    help={
+        "input": "JSONL on the target (conversations, messages or prompts); relative = in the release",
+        "output": "X.jsonl on the target (+ X_error.jsonl, X_skipped.jsonl); resumed when it exists",
+        "server": "host:port or URL, comma-separated (default: the inventory's run.regen_servers)",
+        "max_tokens": "per reply (default 4096)",
+        "temperature": "default 0.8 (0 = greedy)",
+        "concurrency": "requests in flight per server (default 64)",
+        "reasoning": "none | save (keep reasoning_content) | disable (thinking off)",
+        "retry_errors": "send the records of the error file again",
+    }
+)
+def regen(
+    c: Context,
+    input: str,
+    output: str,
+    server: str = "",
+    max_tokens: int = 4096,
+    temperature: float = 0.8,
+    concurrency: int = 64,
+    reasoning: str = "none",
+    retry_errors: bool = False,
+) -> None:
+    """Regenerate a data set's replies through the target's serving engines (resumable)."""
+    from fleet import runs
+
+    options = ["--max-tokens", str(max_tokens), "--temperature", str(temperature)]
+    options += [
+        "--concurrency",
+        str(concurrency),
+        "--reasoning",
+        reasoning,
+        *(["--retry-errors"] if retry_errors else []),
+    ]
+    with single_target(c) as target:
+        runs.regen(target, input, output, [a for a in server.split(",") if a.strip()], options)
 
 
 ns = Collection(
     deploy, train, runs, status, plot, logs, stop, gpus, env_check, env_rebuild, env_rollback, plan
 )
 ns.add_task(export)
+ns.add_task(serve_bench)
 ns.add_task(doctor)
 ns.add_task(warm)
+ns.add_task(data)
+ns.add_task(regen)

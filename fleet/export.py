@@ -8,6 +8,10 @@ its final place, then renames it, so exporting from a live run neither disturbs 
 half folder. ``--to LOCAL_DIR`` then brings the folder here: one more command prints it as a
 base64 tar (``remote/export_pack.sh``), unpacked into a temp folder beside ``LOCAL_DIR`` and
 renamed onto it.
+
+``--gguf`` adds the trainer's ``--gguf``: the drafter and its target as GGUF files for llama.cpp
+(``training.engines.gguf``), next to the export. ``serve_bench`` (``fab serve-bench``) runs the
+trainer's ``serve-bench`` on the latest run the same way (``training.engines.serve_bench``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from training.contract import HF_CONFIG_FILE
 
 EXPORTED_RE = re.compile(r"^exported step (\d+) \((.*)\) -> (.+)$", re.MULTILINE)
 EXPORT_TIMEOUT_S = 1800.0  # reading a 27B run's checkpoint and writing bf16 weights: minutes at most
+# --gguf may first build llama.cpp on the target (training.engines.llamacpp; ~25 min on 2 cores, once)
+GGUF_TIMEOUT_S = 5400.0
+GGUF_RE = re.compile(r"^drafter GGUF (.+); target GGUF (.+)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -43,16 +50,21 @@ class ExportResult:
     remote_path: str
     detail: str
     local_path: Path | None = None
+    gguf: str = ""  # with --gguf: the trainer's line naming the drafter's and the target's GGUF files
 
     def text(self) -> str:
         head = f"{self.target}: run {self.run_id} step {self.step} exported ({self.detail})"
         lines = [f"{head} -> {self.remote_path}"]
+        if self.gguf:
+            lines.append(f"{self.target}: {self.gguf}")
         if self.local_path is not None:
             lines.append(f"{self.target}: copied to {self.local_path}")
         return "\n".join(lines)
 
 
-def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> ExportResult:
+def export_drafter(
+    target: Target, *, step: int | None = None, to: str = "", gguf: bool = False
+) -> ExportResult:
     """``fab export [--step N] [--to LOCAL_DIR]`` (see the module docstring)."""
     if step is not None and step < 0:
         raise ConfigError(f"export --step {step}: give a checkpoint step >= 0")
@@ -66,7 +78,11 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
         raise RunError(f"{target.name}: no run to export: start one with `fab train`")
     run_dir = spec.layout.run_dir(status.run_id)
     out = posixpath.join(run_dir, "export" if step is None else f"export-step-{step}")
-    res = run_with_env(target, trainer_cli.export(spec, run_dir, out, step), timeout=EXPORT_TIMEOUT_S)
+    res = run_with_env(
+        target,
+        trainer_cli.export(spec, run_dir, out, step, gguf=gguf),
+        timeout=GGUF_TIMEOUT_S if gguf else EXPORT_TIMEOUT_S,
+    )
     if res.exit_code != 0:
         why = failure_summary(res.stderr or res.stdout, res.exit_code)
         raise RunError(f"{target.name}: export of run {status.run_id} failed ({why})")
@@ -75,8 +91,14 @@ def export_drafter(target: Target, *, step: int | None = None, to: str = "") -> 
         raise RunError(
             f"{target.name}: the trainer's export printed no result line: {res.stdout.strip()[-300:]!r}"
         )
+    converted = GGUF_RE.search(res.stdout)
     result = ExportResult(
-        target.name, status.run_id, int(found.group(1)), found.group(3).strip(), found.group(2)
+        target.name,
+        status.run_id,
+        int(found.group(1)),
+        found.group(3).strip(),
+        found.group(2),
+        gguf=converted.group(0).strip() if converted else "",
     )
     if to:
         local = fetch_export(target, result.remote_path, Path(to).expanduser())
@@ -131,3 +153,25 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def serve_bench(target: Target, *, draft_lengths: str = "", prompts: int = 0) -> str:
+    """``fab serve-bench``: ``python -m training serve-bench`` on the latest run (its table; the
+    ``serve_bench`` event lands in the run's events, so ``fab status`` shows the figure)."""
+    spec = target.spec
+    if spec.run.module != "training":
+        raise RunError(
+            f"{target.name}: run.module {spec.run.module!r} is not the bundled trainer: no drafter"
+        )
+    status = basic_status(target, lines=0)
+    if not status.run_id:
+        raise RunError(f"{target.name}: no run to benchmark: start one with `fab train`")
+    argv = trainer_cli.serve_bench(spec, spec.layout.run_dir(status.run_id), draft_lengths, prompts)
+    res = run_with_env(target, argv, timeout=GGUF_TIMEOUT_S)
+    if res.exit_code != 0:
+        why = failure_summary(res.stderr or res.stdout, res.exit_code)
+        raise RunError(f"{target.name}: serve-bench of run {status.run_id} failed ({why})")
+    table = (
+        res.stdout[res.stdout.find("serve-bench step") :] if "serve-bench step" in res.stdout else res.stdout
+    )
+    return f"{target.name}: run {status.run_id}\n{table.strip()}"

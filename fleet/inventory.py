@@ -50,17 +50,19 @@ TARGET_KEYS = (
     "keep_releases",
     "keep_runs",
     "stall_window_s",
+    "llamacpp",
     "run",
     "commands",
     "gpu_gate",
     "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env", "restart")
+RUN_KEYS = ("module", "config", "overrides", "env", "restart", "regen_servers")
+MAX_OVERRIDES_BYTES = 32 * 1024
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
-NOTIFY_KEYS = ("command", "url", "headers")
+NOTIFY_KEYS = ("command", "url", "headers", "command_env")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 MULTI_RUN_KEYS = ("targets", "topology", "per_host", "rendezvous", "network", "run")
 NETWORK_KEYS = ("addr", "socket_ifname")
@@ -121,6 +123,9 @@ class RunSpec:
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
     restart_backoff_s: float = 60.0
+    # OpenAI-compatible servers of the target model that `fab regen` sends prompts to (host:port or
+    # URLs, as seen from the target: SGLang, vLLM, llama-server).
+    regen_servers: tuple[str, ...] = ()
     # The run's shape: ``config`` + ``overrides`` read with the trainer's own loader at inventory
     # load, so every task sizes the run from this one object. None where the controller cannot read
     # it: another module than the bundled trainer, or a config path on a remote target.
@@ -135,6 +140,8 @@ class NotifySpec:
     command: tuple[str, ...] = ()  # argv run on the target, the JSON body on stdin
     url: str = field(default="", repr=False)  # POSTed the JSON body
     headers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # run.env keys the command is given; by default none of the run's secrets reach it.
+    command_env: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -170,6 +177,10 @@ class TargetSpec:
     keep_releases: int = 5
     keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
     stall_window_s: float = STALL_WINDOW_S
+    # `fab deploy` also builds llama.cpp (training.engines.llamacpp, cached on the target): "off",
+    # "cpu", or "auto" (CUDA where nvcc and a GPU are). Off by default: the first build takes
+    # minutes (tens of minutes on 2 cores); `fab export --gguf` / `fab serve-bench` build it anyway.
+    llamacpp: str = "off"
 
     @property
     def is_local(self) -> bool:
@@ -416,7 +427,20 @@ def _parse_target(name: str, raw: Mapping[str, Any], path: Path) -> TargetSpec:
         keep_releases=_int(raw, "keep_releases", key, path, default=TargetSpec.keep_releases, minimum=1),
         keep_runs=_int(raw, "keep_runs", key, path, default=TargetSpec.keep_runs, minimum=1),
         stall_window_s=_number(raw, "stall_window_s", key, path, default=TargetSpec.stall_window_s),
+        llamacpp=_parse_llamacpp(key, raw, path),
     )
+
+
+LLAMACPP_MODES = ("off", "cpu", "auto")
+
+
+def _parse_llamacpp(key: str, raw: Mapping[str, Any], path: Path) -> str:
+    value = _str(raw, "llamacpp", key, path, default=TargetSpec.llamacpp)
+    if value not in LLAMACPP_MODES:
+        raise ConfigError(
+            f'{path}: {key}.llamacpp = {value!r}: use "off", "cpu" or "auto" (CUDA where nvcc is)'
+        )
+    return value
 
 
 def _parse_ssh(key: str, host: str, raw: Mapping[str, Any], path: Path) -> SshSpec:
@@ -803,6 +827,14 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
     overrides = raw.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f'{path}: {rkey}.overrides must be a list of strings; e.g. ["--train.steps=50"]')
+    size = sum(len(o.encode("utf-8", "surrogateescape")) + 1 for o in overrides)
+    if size > MAX_OVERRIDES_BYTES:
+        # They travel in the command line of every remote step (twice in the launch's: argv and
+        # run.json), which the remote shell gets as one argument of at most 128 KiB.
+        raise ConfigError(
+            f"{path}: {rkey}.overrides are {size} bytes in all, over the {MAX_OVERRIDES_BYTES} a remote "
+            "command line carries safely; put long values in a config file (`--config`) instead"
+        )
     for i, override in enumerate(overrides):
         if "\0" in override:
             raise ConfigError(
@@ -831,6 +863,13 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
     _check_keys(restart, RESTART_KEYS, f"{rkey}.restart", path)
     restart_max = _int(restart, "max", f"{rkey}.restart", path, default=RunSpec.restart_max, minimum=0)
     backoff = _number(restart, "backoff_s", f"{rkey}.restart", path, default=RunSpec.restart_backoff_s)
+    servers = raw.get("regen_servers", [])
+    if not isinstance(servers, list) or not all(
+        isinstance(a, str) and a.strip() and not any(c.isspace() or c == "\0" for c in a) for a in servers
+    ):
+        raise ConfigError(
+            f'{path}: {rkey}.regen_servers must be a list of addresses; e.g. ["10.0.0.5:30000"]'
+        )
     loaded = None
     if module == RunSpec.module:
         loaded = _load_run_config(rkey, config, tuple(overrides), local, path)
@@ -841,6 +880,7 @@ def _parse_run(key: str, raw: Any, path: Path, *, local: bool) -> RunSpec:
         env=MappingProxyType(dict(env)),
         restart_max=restart_max,
         restart_backoff_s=backoff,
+        regen_servers=tuple(servers),
         loaded=loaded,
     )
 
@@ -857,9 +897,21 @@ def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
             f'{path}: {nkey}.command must be an argv list of strings; e.g. ["/usr/local/bin/page-me"]'
         )
     url = raw.get("url", "")
-    # The URL may hold a token: the messages name the key, never the value.
-    if not isinstance(url, str) or (url and not re.match(r"^https?://[^\s]+$", url)):
-        raise ConfigError(f"{path}: {nkey}.url must be an http:// or https:// URL without spaces")
+    # The URL may hold a token: the messages name the key, never the value. Printable ASCII only
+    # (what urllib sends as is): a control character would make the notifier fail on the target.
+    if not isinstance(url, str) or (url and not re.fullmatch(r"https?://[!-~]+", url)):
+        raise ConfigError(
+            f"{path}: {nkey}.url must be an http:// or https:// URL of printable ASCII without spaces "
+            "(percent-encode anything else)"
+        )
+    command_env = raw.get("command_env", [])
+    if not isinstance(command_env, list) or not all(
+        isinstance(k, str) and ENV_KEY_RE.match(k) for k in command_env
+    ):
+        raise ConfigError(
+            f"{path}: {nkey}.command_env must be a list of run.env keys the command may see; "
+            'e.g. ["PAGER_TOKEN"]'
+        )
     headers = raw.get("headers", {})
     _check_type(
         headers, dict, f"{nkey}.headers", 'a table of strings; e.g. { Authorization = "Bearer ..." }', path
@@ -868,13 +920,19 @@ def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
         if (
             not re.match(r"^[A-Za-z0-9-]+$", name)
             or not isinstance(value, str)
-            or any(c in value for c in "\r\n\0")
+            or not all(c == "\t" or " " <= c <= "~" or "\xa0" <= c <= "\xff" for c in value)
         ):
+            # http.client sends header values as latin-1 and refuses control characters.
             raise ConfigError(
                 f"{path}: {nkey}.headers.{name}: give a header name of letters, digits and '-' "
-                "and a one-line string value"
+                "and a one-line value of printable latin-1 characters"
             )
-    return NotifySpec(command=tuple(command), url=url, headers=MappingProxyType(dict(headers)))
+    return NotifySpec(
+        command=tuple(command),
+        url=url,
+        headers=MappingProxyType(dict(headers)),
+        command_env=tuple(command_env),
+    )
 
 
 def _parse_gate(key: str, raw: Any, path: Path) -> GateSpec:

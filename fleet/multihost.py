@@ -151,9 +151,18 @@ def _plan(
 
 
 def train(
-    targets: Sequence[Target], run: MultiRunSpec, repo_root: Path, *, warm: bool, fresh: bool, deployed: bool
+    targets: Sequence[Target],
+    run: MultiRunSpec,
+    repo_root: Path,
+    *,
+    warm: bool,
+    fresh: bool,
+    deployed: bool,
+    store: Path | None = None,
 ) -> Started:
-    """Start (or continue) ``run``: one torchrun agent per host, the first host's first."""
+    """Start (or continue) ``run``: one torchrun agent per host, the first host's first. With
+    ``warm``, each host's warm-up gets the controller's compile artefacts (``store``) first and
+    hands its own back, so hosts of one GPU type compile once between them."""
     from fleet import envs as fleet_envs
     from fleet import gpus as fleet_gpus
 
@@ -163,7 +172,7 @@ def train(
             fleet_envs.refuse_drift(target, repo_root)
         fleet_gpus.gate(target)  # every host's GPUs; refuses on dirty ones, never kills
         if warm:
-            runs.warm_cache(target, if_needed=True)
+            runs.warm_cache(target, if_needed=True, store=store)  # the first host's artefact serves the rest
     now = dt.datetime.now(dt.UTC)
     if resume is not None:
         run_id = resume.run_id

@@ -1,10 +1,15 @@
 """``fab plot``: loss, acceptance tau and tokens/s over steps as one PNG (matplotlib, Agg).
 
 The curves come from a run's ``step`` events (one line per rank that logs steps) and its
-``eval`` events (real acceptance, drawn as points on the tau panel). ``series_from_events``
-is pure; ``plot_png`` writes the file; ``plot_target`` plots a target's latest run (the last
-``PLOT_EVENT_BYTES`` of events.jsonl fetched in one command, no log), ``plot_log`` a local run
-dir or events file (``--log``).
+``eval`` events (real acceptance, drawn as points on the tau panel). Each curve is drawn smoothed
+(a running median, ``smooth``: one outlier, as the first step's loss, does not drag it) over its
+logged points, drawn faint. The loss panel's range is the smoothed curve's: a drafter's first
+steps lose 10x what it loses once it learns (69 nats at step 1 of the smol run, 5-9 after), and
+a range that held them would flatten the curve that matters; points above it are drawn as
+triangles on its top edge and counted on the axis.
+``series_from_events`` is pure; ``plot_png`` writes the file; ``plot_target`` plots a target's
+latest run (the last ``PLOT_EVENT_BYTES`` of events.jsonl fetched in one command, no log),
+``plot_log`` a local run dir or events file (``--log``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
 
 PLOT_EVENT_BYTES = 16 * 1024 * 1024
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 1000, 100
+SMOOTH_POINTS = 5  # the running median's window, in logged points, centred
 
 
 @dataclass(frozen=True)
@@ -72,49 +78,104 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
             if isinstance(value, int | float) and math.isfinite(value):
                 evals.append((step, float(value)))
 
+    drafters = sorted(key for key in per_rank if key[1] != "single")
+
+    def label(rank: int, role: str) -> str:
+        """What a user calls the curve: one process trains (no name needed), or drafter k of N."""
+        if role == "single":
+            return "training"
+        return f"drafter {drafters.index((rank, role))}" if role == "drafter" else f"{role} (rank {rank})"
+
     def curves(name: str) -> tuple[Series, ...]:
         out = []
         for (rank, role), data in sorted(per_rank.items()):
             points = data[name]
             steps, values = tuple(p[0] for p in points), tuple(p[1] for p in points)
-            out.append(Series(f"rank {rank} ({role})", steps, values))
+            out.append(Series(label(rank, role), steps, values))
         return tuple(out)
 
     eval_series = Series("eval tau (verified)", tuple(s for s, _ in evals), tuple(v for _, v in evals))
     return PlotData(curves("loss"), curves("tau"), curves("tokens_per_s"), eval_series if evals else None)
 
 
-def plot_png(data: PlotData, out: Path, title: str) -> Path:
-    """Write the three panels to ``out`` (PNG, WIDTH_PX x HEIGHT_PX)."""
+def smooth(values: Sequence[float], window: int = SMOOTH_POINTS) -> list[float]:
+    """The running median of ``window`` points centred on each (fewer at the ends), as pandas'
+    ``Series.rolling(window, center=True, min_periods=1).median()``."""
+    half_lo, half_hi = (window - 1) // 2, window // 2
+    out = []
+    for i in range(len(values)):
+        part = sorted(values[max(0, i - half_hi) : i + half_lo + 1])
+        mid = len(part) // 2
+        out.append(part[mid] if len(part) % 2 else (part[mid - 1] + part[mid]) / 2)
+    return out
+
+
+def loss_range(series: Sequence[Series]) -> tuple[float | None, int]:
+    """(top of the loss axis, points above it): the smoothed curves' highest value plus a margin of
+    a quarter of their span; (None, 0) when nothing lies above the raw points' own range."""
+    values = [v for s in series for v in s.values]
+    smoothed = [v for s in series for v in smooth(s.values)]
+    if not values:
+        return None, 0
+    low, high = min(values), max(smoothed)
+    top = high + 0.25 * max(high - low, 0.05 * abs(high))
+    clipped = sum(1 for v in values if v > top)
+    return (top, clipped) if clipped else (None, 0)
+
+
+def figure(data: PlotData, title: str) -> Any:
+    """The three panels as a matplotlib Figure (Agg); the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
+    fig, axes = plt.subplots(3, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True)
+    top, clipped = loss_range(data.loss)
+    above = f"\n{clipped} early point{'s' if clipped > 1 else ''} above, clipped" if clipped else ""
+    panels = (
+        (axes[0], data.loss, f"loss (nats){above}"),
+        (axes[1], data.tau, "acceptance length tau\n(training estimate)"),
+        (axes[2], data.tokens_per_s, "tokens/s"),
+    )
+    for ax, series, ylabel in panels:
+        for i, s in enumerate(series):
+            if not s.steps:
+                continue
+            color = f"C{i}"
+            ax.plot(s.steps, s.values, ".", color=color, alpha=0.35, markersize=6)
+            ax.plot(s.steps, smooth(s.values), color=color, linewidth=1.6, label=s.label)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    if clipped and top is not None:
+        low = min(v for s in data.loss for v in s.values)
+        axes[0].set_ylim(low - 0.05 * (top - low), top)
+        for i, s in enumerate(data.loss):
+            over = [step for step, v in zip(s.steps, s.values, strict=True) if v > top]
+            axes[0].plot(over, [top] * len(over), "^", color=f"C{i}", markersize=7, clip_on=False)
+    if data.eval_tau:
+        e = data.eval_tau
+        axes[1].plot(e.steps, e.values, "o", color="black", label=e.label)
+    note = f"lines: running median of {SMOOTH_POINTS} logged steps; faint dots: each logged step"
+    axes[0].set_title(note, fontsize="small", loc="left")
+    for ax in axes:
+        labels = ax.get_legend_handles_labels()[1]
+        if len(labels) > 1 or (labels and labels != ["training"]):  # one process: no legend needed
+            ax.legend(loc="best", fontsize="small")
+    axes[2].set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_png(data: PlotData, out: Path, title: str) -> Path:
+    """Write the three panels to ``out`` (PNG, WIDTH_PX x HEIGHT_PX)."""
+    from matplotlib import pyplot as plt
+
     if data.empty:
         raise RunError(f"{title}: no step events yet to plot; wait for training to log a step")
-    fig, axes = plt.subplots(3, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True)
+    fig = figure(data, title)
     try:
-        panels = (
-            (axes[0], data.loss, "loss (nats)"),
-            (axes[1], data.tau, "acceptance tau"),
-            (axes[2], data.tokens_per_s, "tokens/s"),
-        )
-        for ax, series, ylabel in panels:
-            for s in series:
-                if s.steps:
-                    ax.plot(s.steps, s.values, label=s.label, linewidth=1.2)
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-        if data.eval_tau:
-            e = data.eval_tau
-            axes[1].plot(e.steps, e.values, "o", color="black", label=e.label)
-        for ax in axes:
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(loc="best", fontsize="small")
-        axes[2].set_xlabel("step")
-        fig.suptitle(title)
-        fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png", dpi=DPI)
     finally:
@@ -146,5 +207,11 @@ def default_path(name: str, run_id: str) -> Path:
 
 def _plot(events_text: str, truncated: bool, name: str, run_id: str, out: str) -> Path:
     events = parse_events(events_text, truncated=truncated).events
+    data = series_from_events(events)
+    if data.empty:
+        raise RunError(
+            f"{name}: nothing to plot yet: run {run_id} has logged no training step "
+            "(`fab status` shows its phase)"
+        )
     dest = Path(out) if out else default_path(name, run_id)
-    return plot_png(series_from_events(events), dest, f"{name}  {run_id}")
+    return plot_png(data, dest, f"{name}  {run_id}")

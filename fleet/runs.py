@@ -26,12 +26,12 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from fleet import remote, trainer_cli
+from fleet import compile_share, remote, trainer_cli
 from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
-from fleet.errors import CommandFailed, ConfigError, RunError, tail_lines
+from fleet.errors import CommandFailed, ConfigError, RunError, TargetError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.status.diagnose import NOT_RETRYABLE, find_traceback
@@ -45,6 +45,8 @@ TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 EXIT_LIVE = 75  # run_launch.sh: a run is live
 EXIT_NO_WRAPPER = 66  # run_launch.sh: the release lacks remote/run.sh
 EXIT_EXISTS = 73  # run_launch.sh: the run directory exists
+EXIT_SHORT_ENV = 74  # run_launch.sh: the environment file arrived incomplete
+ENV_TRAILER = "fleet-env-bytes"
 STATUS_LINES = 12
 
 
@@ -206,6 +208,7 @@ def wrapper_env(spec: TargetSpec) -> dict[str, str]:
         env[contract.NOTIFY_URL_ENV] = notify.url
         env[contract.NOTIFY_HEADERS_ENV] = json.dumps(dict(notify.headers))
         env[contract.NOTIFY_COMMAND_ENV] = json.dumps(list(notify.command))
+        env[contract.NOTIFY_PASS_ENV] = " ".join(notify.command_env)
         env[contract.NOTIFY_TARGET_ENV] = spec.name
         env[contract.NOTIFY_STALL_ENV] = str(spec.stall_window_s)
     return env
@@ -248,19 +251,28 @@ def failure_summary(output: str, exit_code: int) -> str:
     return tail_lines(output, 3) or f"exit {exit_code}"
 
 
-def warm_cache(target: Target, *, if_needed: bool) -> bool:
+def warm_cache(target: Target, *, if_needed: bool, store: Path | None = None) -> bool:
     """``fab warm`` (and ``fab train`` unless --no-warm): compile the run config's shapes into the
     target's compile cache, in ``<workdir>/current``, output streamed. Skipped (False) when the run
-    module is not the bundled trainer. The run's env arrives on stdin as for a run (never in argv)."""
+    module is not the bundled trainer. The run's env arrives on stdin as for a run (never in argv).
+    ``store``: the controller's compile artefacts (``fleet.compile_share``), pushed to the target
+    first (a key another host warmed is then warm here) and pulled back after."""
     spec = target.spec
     if spec.run.module != "training":
         return False
+    root = spec.layout.compile_cache
+    if store is not None:
+        for key in compile_share.push(target, store, root):
+            print(f"{target.name}: compile cache {key} shipped from the controller", flush=True)
     res = run_with_env(target, trainer_cli.warm(spec, if_needed=if_needed), stream=True)
     if res.exit_code != 0:
         raise RunError(
             f"{target.name}: compile-cache warm-up failed ({failure_summary(res.stderr, res.exit_code)}); "
             "fix it (`fab deploy` if nothing is deployed) or start without it: `fab train --no-warm`"
         )
+    if store is not None:
+        for key in compile_share.pull(target, store, root):
+            print(f"{target.name}: compile cache {key} kept on the controller ({store / key})", flush=True)
     return True
 
 
@@ -276,8 +288,56 @@ def plan(target: Target, gpus: int, *, as_json: bool) -> str:
     return res.stdout.rstrip("\n")
 
 
+def data_report(target: Target, *, as_json: bool) -> str:
+    """``fab data``: the run config's data report (``python -m training data``), on the target."""
+    spec = target.spec
+    argv = [spec.run_python, "-m", spec.run.module, "data", "--config", spec.run.config, *spec.run.overrides]
+    res = run_with_env(target, [*argv, *(["--json"] if as_json else [])])
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} data` failed "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); `fab deploy` first if "
+            "nothing is deployed"
+        )
+    return res.stdout.rstrip("\n")
+
+
+def regen_argv(
+    spec: TargetSpec, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> list[str]:
+    """``<python> -m <module> regen --input I --output O --server S ... <options>`` (paths as the
+    target sees them; relative ones are under the deployed release's folder)."""
+    argv = [spec.run_python, "-m", spec.run.module, "regen", "--input", input_path, "--output", output]
+    for server in servers:
+        argv += ["--server", server]
+    return [*argv, *options]
+
+
+def regen(
+    target: Target, input_path: str, output: str, servers: Sequence[str], options: Sequence[str]
+) -> None:
+    """``fab regen``: regeneration through the servers, run on the target next to the data, its
+    progress streamed; resumable (the trainer's ``regen`` keeps a ledger of done ids)."""
+    spec = target.spec
+    servers = list(servers) or list(spec.run.regen_servers)
+    if not servers:
+        raise ConfigError(
+            f"{target.name}: no regeneration server: give --server HOST:PORT or set "
+            f"[targets.{target.name}.run] regen_servers in the inventory"
+        )
+    res = run_with_env(target, regen_argv(spec, input_path, output, servers, options), stream=True)
+    if res.exit_code != 0:
+        raise RunError(
+            f"{target.name}: `{spec.run.module} regen` ended with exit {res.exit_code} "
+            f"({failure_summary(res.stderr or res.stdout, res.exit_code)}); the done records are kept: "
+            "run `fab regen` again to resume (--retry-errors sends the failed ones again)"
+        )
+
+
 def env_file_text(env: Mapping[str, str]) -> bytes:
-    """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh."""
+    """``export K='v'`` lines for run.sh to source; keys checked, values quoted for sh. The last
+    line, ``# fleet-env-bytes N`` (N: the bytes before it), lets run_launch.sh refuse a file cut
+    short by a dropped connection."""
     lines = []
     for key, value in sorted(env.items()):
         if not ENV_KEY_RE.match(key):
@@ -285,7 +345,8 @@ def env_file_text(env: Mapping[str, str]) -> bytes:
                 f"run.env: {key!r} is not an environment variable name; use [A-Za-z_][A-Za-z0-9_]*"
             )
         lines.append(f"export {key}={shlex.quote(value)}\n")
-    return "".join(lines).encode()
+    body = "".join(lines).encode()
+    return body + f"# {ENV_TRAILER} {len(body)}\n".encode()
 
 
 def _int_or_none(text: str) -> int | None:
@@ -301,7 +362,14 @@ def parse_state(target: str, text: str) -> BasicStatus:
     pane_pid = _int_or_none(panes[0][1]) if panes and len(panes[0]) > 1 else None
     pgid = _int_or_none(sec.get("pgid", ""))
     no_run_here = not sec.get("run_json", "").strip() and not sec.get("latest", "").strip()
-    foreign = live and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
+    # The run's own lock decides (tmux may be gone while its trainer runs on); the pane tells
+    # another workdir's run apart, and gives the exit status when run.sh could not write it.
+    run_alive = sec.get("alive", "").strip() == "1"
+    foreign = (
+        live
+        and not run_alive
+        and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
+    )
     run: dict[str, Any] = {}
     if sec.get("run_json", "").strip():
         try:
@@ -313,7 +381,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
     log = sec.get("log", "")
     last_lines = tuple(log.rstrip("\n").split("\n")) if log.strip() else ()
     exit_code = _int_or_none(sec.get("exit_code", ""))
-    if exit_code is None and panes and not live:
+    if exit_code is None and panes and not live and not run_alive:
         fields = panes[0] + ["", "", ""]
         status, signal = _int_or_none(fields[2]), _int_or_none(fields[3])
         exit_code = status if status is not None else (128 + signal if signal else None)
@@ -326,7 +394,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
             current_release=release_id_from_link(sec.get("current", "").strip()),
             foreign_pid=pane_pid,
         )
-    if live and exit_code is None:
+    if run_alive or (live and exit_code is None):
         state = "live"
     elif run or sec.get("latest", "").strip():
         state = "exited"
@@ -536,24 +604,45 @@ def _launch(
         record["multi_host"] = node.record()
     mode = "resume" if resume else "new"
     args = [spec.workdir, spec.commands.tmux, RUN_SESSION, run_id, release, mode, json.dumps(record), *argv]
+    env = {**run_env(spec), **wrapper_env(spec), **(node.env(spec) if node is not None else {})}
     try:
-        env = {**run_env(spec), **wrapper_env(spec), **(node.env(spec) if node is not None else {})}
         target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     except CommandFailed as err:
         if err.command_exit_code == EXIT_EXISTS:
             return None
         if err.command_exit_code == EXIT_LIVE:
-            raise _live_error(target, _state(target, 0)) from None
+            status = _state(target, 0)
+            if status.state != "live":  # the live run is not runs/latest's: the launcher names it
+                raise RunError(
+                    f"{target.name}: {scrub(err.stderr_tail, env)}; stop it first with `fab stop`"
+                ) from None
+            raise _live_error(target, status) from None
+        if err.command_exit_code == EXIT_SHORT_ENV:
+            raise RunError(
+                f"{target.name}: run {run_id} was not started: its environment arrived incomplete on the "
+                "target (the connection dropped mid-launch?); nothing was kept: `fab train` again"
+            ) from None
         if err.command_exit_code == EXIT_NO_WRAPPER:
             raise RunError(
                 f"{target.name}: release {release} is not on the target (or lacks remote/run.sh); "
                 "run `fab deploy` again"
             ) from None
-        why = err.stderr_tail or f"exit {err.command_exit_code}"
+        why = scrub(err.stderr_tail, env) or f"exit {err.command_exit_code}"
         raise RunError(
             f"{target.name}: could not start run {run_id}: {why}; nothing of it was kept (runs/latest "
             "still names the previous run): fix the cause and `fab train` again"
         ) from None
+    except TargetError as err:
+        # The connection dropped: the launch on the target was whole or nothing. Find out which.
+        try:
+            status = _state(target, 0)
+        except TargetError:
+            raise TargetError(
+                f"{scrub(str(err), env)}; run {run_id} may or may not have started: `fab status` tells"
+            ) from None
+        if status.run_id == run_id:
+            return info
+        target.run(remote.sh("run_launch.sh", *args), stdin=env_file_text(env), timeout=60)
     return info
 
 

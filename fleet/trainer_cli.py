@@ -72,7 +72,14 @@ def resume_check(spec: TargetSpec, run_dir: str) -> list[str]:
     return [*head, "--run-dir", run_dir, *spec.run.overrides]
 
 
-def export(spec: TargetSpec, run_dir: str, out: str, step: int | None) -> list[str]:
-    """``<python> -m <module> export --run-dir D --out O [--step N]``."""
+def export(spec: TargetSpec, run_dir: str, out: str, step: int | None, *, gguf: bool = False) -> list[str]:
+    """``<python> -m <module> export --run-dir D --out O [--step N] [--gguf]``."""
     argv = [*_head(spec, "export"), "--run-dir", run_dir, "--out", out]
-    return argv + (["--step", str(step)] if step is not None else [])
+    return argv + (["--step", str(step)] if step is not None else []) + (["--gguf"] if gguf else [])
+
+
+def serve_bench(spec: TargetSpec, run_dir: str, draft_lengths: str, prompts: int) -> list[str]:
+    """``<python> -m <module> serve-bench --run-dir D [--draft-lengths N,N] [--prompts N]``."""
+    argv = [*_head(spec, "serve-bench"), "--run-dir", run_dir]
+    argv += ["--draft-lengths", draft_lengths] if draft_lengths else []
+    return argv + (["--prompts", str(prompts)] if prompts else [])

@@ -1,9 +1,110 @@
-"""Fixtures shared by every test tier; the helpers themselves live in tests/testkit.py.
+"""Fixtures and hooks shared by every test tier; the helpers themselves live in tests/testkit.py.
 
 Tests import helpers with `from testkit import ...` (a unique module name: `import conftest`
 would be ambiguous, since tests/training has a conftest.py of its own).
+
+The suite runs on several pytest-xdist workers (pyproject's addopts: `-n`, `--dist loadgroup`):
+- each test module is one group (one worker runs all of it, in order, with its module fixtures
+  built once), unless its tests carry an explicit ``xdist_group`` mark;
+- modules with `slow` tests are handed out first (the longest work starts early);
+- a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
+  devices, /etc/hosts, mounts) runs while no other test uses the test host
+  (``testkit.test_host_lock``); every other test that uses the host (the ``hosts`` fixture)
+  holds it shared, except one marked ``own_container`` (it works in a container of its own).
+At the end the session fails if a process it started is still alive (``testkit.leftovers``).
 """
 
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+import testkit
 from testkit import hosts, llama_build, local_tmux, remote_fleet
 
 __all__ = ["hosts", "llama_build", "local_tmux", "remote_fleet"]
+
+# The dev group's packages the trainer's tests import (pyproject.toml, [dependency-groups] train).
+TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "gguf"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "exclusive_host: changes the test host's shared state; runs while no other test uses the host",
+    )
+    config.addinivalue_line(
+        "markers", "own_container: uses the test host only through a container of its own"
+    )
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        testkit.start_session_marker()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    slow_groups = {_group(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _group(item) not in slow_groups)  # stable: file order kept otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A test module that cannot import the trainer's packages (torch, ...: a machine without
+    `./bootstrap --dev`'s dev group) is skipped with that reason, not a collection error."""
+    report = yield
+    if report.failed and isinstance(collector, pytest.Module):
+        missing = re.search(r"No module named '([\w.]+)'", str(report.longrepr))
+        if missing and missing.group(1).split(".")[0] in TRAINER_PACKAGES:
+            report.outcome = "skipped"
+            report.longrepr = (
+                str(collector.path),
+                None,
+                f"Skipped: needs {missing.group(1)}, which is not installed here (./bootstrap --dev)",
+            )
+    return report
+
+
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark and mark.args else "")
+
+
+@pytest.fixture(autouse=True)
+def _test_host_access(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Shared use of the test host for a test that uses it; sole use for an ``exclusive_host`` one."""
+    exclusive = request.node.get_closest_marker("exclusive_host") is not None
+    own = request.node.get_closest_marker("own_container") is not None
+    if not exclusive and (own or "hosts" not in request.fixturenames):
+        yield
+        return
+    with testkit.test_host_lock(exclusive=exclusive):
+        yield
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        testkit.note_container_processes()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after xdist's teardown and the summary
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
+    """After everything else (xdist's workers are gone): fail the session on a process left behind."""
+    result = yield
+    if hasattr(session.config, "workerinput"):
+        return result
+    left = testkit.leftovers()
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"  {p.text()}" for p in left]
+        lines.append(f"FAILED: {len(left)} process(es) started by the tests outlived them (killed now)")
+        for line in lines:
+            if reporter is not None:
+                reporter.write_line(line, red=True)
+            else:
+                print(line)
+        testkit.kill(left)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return result

@@ -110,8 +110,10 @@ def _checkout_copy(dest: Path) -> Path:
     return dest
 
 
-def _bootstrap(repo: Path, *args: str, python: str = "") -> subprocess.CompletedProcess[str]:
-    env = {"PATH": BARE_PATH, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+def _bootstrap(
+    repo: Path, *args: str, python: str = "", path: str = BARE_PATH
+) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
     if python:
         env["PYTHON"] = python
     return subprocess.run(
@@ -137,6 +139,27 @@ def test_bootstrap_refuses_in_one_line(tmp_path: Path) -> None:
         assert too_old.returncode == 1 and len(too_old.stderr.strip().splitlines()) == 1
         assert "is Python 3.10; fleet needs 3.11-3.13" in too_old.stderr
     assert not (repo / ".venv").exists()
+
+
+def test_a_python_that_does_not_run_is_named(tmp_path: Path) -> None:
+    """PYTHON names an interpreter that fails to start (a broken install): one line naming it and
+    its error, with or without uv on the machine; uv never goes off to download a CPython instead."""
+    repo = _checkout_copy(tmp_path / "repo")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    broken = bin_dir / "python3.12"
+    why = "error while loading shared libraries: libpython3.12.so.1.0: cannot open shared object file"
+    broken.write_text(f"#!/bin/sh\necho 'python3.12: {why}' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    without_uv = _bootstrap(repo, python="python3.12", path=f"{bin_dir}:{BARE_PATH}")
+    (bin_dir / "uv").symlink_to(REPO / ".venv" / "bin" / "uv")
+    with_uv = _bootstrap(repo, python="python3.12", path=f"{bin_dir}:{BARE_PATH}")
+    for result in (without_uv, with_uv):
+        assert result.returncode == 1, result.stderr
+        (line,) = result.stderr.strip().splitlines()[-1:]
+        assert line.startswith(f"bootstrap: python3.12 ({broken}) does not run: python3.12: {why}"), line
+        assert "download" not in result.stderr and "network" not in result.stderr, result.stderr
+    assert len(without_uv.stderr.strip().splitlines()) == 1, without_uv.stderr
 
 
 @pytest.mark.slow

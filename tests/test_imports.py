@@ -23,14 +23,24 @@ STDLIB_ONLY = ("training.contract", "training")  # shipped to targets and import
 # (a module is in the layer of its longest listed prefix).
 TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "training.contract"),  # stdlib only, shared with the controller
-    ("training.config", "training.events"),
-    ("training.data", "training.compile", "training.wandb_logger", "training.topology", "training.launch"),
+    ("training.config", "training.events", "training.progress"),
+    (
+        "training.data",
+        "training.compile",
+        "training.wandb_logger",
+        "training.topology",
+        "training.launch",
+        "training.engines.llamacpp",  # llama.cpp: its build, GGUF conversion and server (stdlib)
+        "training.engines.gguf",
+        "training.engines.server",
+    ),
     ("training.model",),  # what is trained, against what
     ("training.run.checkpoint", "training.run.pipeline", "training.run.eval"),
     ("training.run.core",),  # what every driver runs
     ("training.run.warm", "training.run.resume_check"),  # what prepares or checks a run
     ("training.export",),
-    ("training.run.single", "training.run.distributed", "training.run.plan"),  # the drivers
+    # the drivers (serve_bench: a trained run's drafter in llama.cpp)
+    ("training.run.single", "training.run.distributed", "training.run.plan", "training.engines.serve_bench"),
     ("training.__main__", "training.selftest", "training.assets"),  # entry points
 )
 # (importer, module it must not reach, directly or through others)

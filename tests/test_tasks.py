@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import testkit
 from invoke import Context
 from invoke.exceptions import Exit
 
@@ -16,7 +16,6 @@ from fleet.errors import CommandFailed, ConfigError, DeployError, RunError
 from fleet.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
-FAB = Path(sys.executable).parent / "fab"
 TASKS = ("deploy", "train", "status", "logs", "stop")
 SHORT_HELP = ("deploy", "train", "logs", "stop")  # these help lines fit in 80 columns
 
@@ -34,12 +33,7 @@ workdir = "state/b"
 def fab(
     *args: str, config: Path | None = None, target: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TARGET", "FLEET_CONFIG")}
-    if config is not None:
-        env["FLEET_CONFIG"] = str(config)
-    if target is not None:
-        env["FLEET_TARGET"] = target
-    return subprocess.run([str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return testkit.fab(*args, config=config, env={"FLEET_TARGET": target} if target else None, timeout=300)
 
 
 @pytest.fixture
@@ -189,10 +183,8 @@ def test_a_closed_stdout_ends_a_task_quietly(tmp_path: Path) -> None:
     """`fab status --json | head -c0`: no BrokenPipeError traceback, exit 141 (128 + SIGPIPE)."""
     config = tmp_path / "fleet.toml"
     config.write_text(TWO_LOCAL)
-    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TARGET", "FLEET_CONFIG")}
-    env["FLEET_CONFIG"] = str(config)
-    proc = subprocess.Popen(
-        [str(FAB), "status", "--json"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    proc = testkit.fab_popen(
+        "status", "--json", config=config, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before fab writes

@@ -8,16 +8,21 @@ The `hosts` tier needs `tests/hosts/setup` (root) to have run; its facts are rea
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -218,28 +223,81 @@ class RemoteFleet:
         self, *args: str, timeout: float = 180, env: Mapping[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run `.venv/bin/fab ARGS` with FLEET_CONFIG set; output captured as text."""
-        return run_fab(args, self.config, timeout=timeout, env=env)
+        return fab(*args, config=self.config, timeout=timeout, env=env)
 
 
-def run_fab(
-    args: Sequence[str],
-    config: Path,
-    *,
-    timeout: float = 180,
+def fab_env(config: Path | None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment `fab` gets in a test: this one without its FLEET_* (the test runner's own
+    FLEET_CONFIG/FLEET_TARGET never leak in), then FLEET_CONFIG=config and ``env``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    full["PYTHONUNBUFFERED"] = "1"
+    if config is not None:
+        full["FLEET_CONFIG"] = str(config)
+    full.update(env or {})
+    return full
+
+
+def fab(
+    *args: str,
+    config: Path | None,
     env: Mapping[str, str] | None = None,
+    timeout: float = 180,
+    in_process: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """The real `fab` as a subprocess, in the repo root, with FLEET_CONFIG=config."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    full_env.update({"FLEET_CONFIG": str(config), "PYTHONUNBUFFERED": "1", **(env or {})})
-    return subprocess.run(
-        [str(FAB), *args],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """The real `fab ARGS` in the repo root with FLEET_CONFIG=config: exit code, stdout, stderr.
+
+    By default a subprocess (`.venv/bin/fab`, what a user runs). ``in_process=True`` runs the
+    same entry point (Fabric's ``program.run``, the console script's body) in this process with
+    the same environment, cwd and argv, its output captured: for the many cases that only check
+    how a task refuses bad input (a subprocess costs ~1.3 s of start-up each). An exception that
+    is not a clean exit becomes exit 1 with its traceback on stderr, as the subprocess would show.
+    Nothing that starts processes or needs a timeout belongs in process.
+    """
+    if not in_process:
+        return subprocess.run(
+            [str(FAB), *args],
+            cwd=REPO,
+            env=fab_env(config, env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    return _fab_in_process(list(args), fab_env(config, env))
+
+
+def fab_popen(
+    *args: str, config: Path, env: Mapping[str, str] | None = None, **popen: Any
+) -> subprocess.Popen[Any]:
+    """The real `fab ARGS` started as :func:`fab` runs it, for a test that reads or signals it."""
+    return subprocess.Popen([str(FAB), *args], cwd=REPO, env=fab_env(config, env), **popen)
+
+
+def _fab_in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    from fabric.main import program
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    code = 0
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(REPO)
+        sys.argv = [str(FAB), *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                program.run([str(FAB), *args])
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess([str(FAB), *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -289,6 +347,161 @@ def kill_processes_naming(text: str) -> list[int]:
     return killed
 
 
+# ------------------------------------------------------------------ processes the tests start
+
+SESSION_ENV = "PYTEST_FLEET_SESSION"  # not FLEET_*: helpers strip those from what they start
+_container_pids_at_start: set[int] = set()
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process on this machine (containers included), as the leak check reports it."""
+
+    pid: int
+    argv: str
+    where: str  # "this machine" or "container NAME"
+
+    def text(self) -> str:
+        return f"PID {self.pid} ({self.where}): {self.argv[:200]}"
+
+
+def start_session_marker() -> str:
+    """Put a per-session marker into this process's environment: every process the tests start
+    here inherits it (xdist's workers, fab, tmux servers, runs), so the end of the session can find
+    the ones still alive. Kept when already set (a nested pytest belongs to the outer session)."""
+    return os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+
+def _test_containers() -> set[str]:
+    """The test host's containers the suite uses: 200, 202 and the fresh-machine test's own
+    (tests/e2e/test_fresh_machine.py names it `<prefix>fresh`); empty without a test host. Other
+    containers of the same prefix (a benchmark's) are not the suite's business."""
+    if not HOSTS_ENV.exists():
+        return set()
+    facts = parse_hosts_env(HOSTS_ENV.read_text())
+    name, ct_id = facts.get("FLEET_TEST_CT_NAME", ""), facts.get("FLEET_TEST_CT_ID", "")
+    names = {name, facts.get("FLEET_TEST_PEER_CT_NAME", "")}
+    if ct_id and name.endswith(f"ct{ct_id}"):
+        names.add(f"{name.removesuffix(f'ct{ct_id}')}fresh")
+    return {n for n in names if n}
+
+
+def _processes() -> Iterator[tuple[int, Path]]:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            yield int(proc.name), proc
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def _is_zombie(proc: Path) -> bool:
+    stat = _read(proc / "stat").decode(errors="replace")
+    return ") Z " in stat or not stat
+
+
+def _container_of(proc: Path, names: set[str]) -> str:
+    """The container (one of ``names``) that ``proc`` runs in, or "" (its cgroup names it)."""
+    for line in _read(proc / "cgroup").decode(errors="replace").splitlines():
+        for part in line.split("/"):
+            if part.startswith("lxc.payload.") and part.removeprefix("lxc.payload.") in names:
+                return part.removeprefix("lxc.payload.")
+    return ""
+
+
+def container_processes() -> set[int]:
+    """PIDs of every process in the test host's containers."""
+    names = _test_containers()
+    return {pid for pid, proc in _processes() if _container_of(proc, names)} if names else set()
+
+
+def note_container_processes() -> None:
+    """What runs in the test containers before the tests (their init, a sleep): not theirs."""
+    _container_pids_at_start.update(container_processes())
+
+
+def leftovers(grace: float = 15.0) -> list[Proc]:
+    """Processes the tests started that are still alive: ones carrying this session's marker in
+    their environment, and ones in the test host's containers that were not there at the start.
+    Waits up to ``grace`` seconds for processes on their way out."""
+    marker = f"{SESSION_ENV}={os.environ.get(SESSION_ENV, '')}\0".encode()
+    names = _test_containers()
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for pid, proc in _processes():
+            if _is_zombie(proc):
+                continue
+            where = ""
+            if os.environ.get(SESSION_ENV) and marker in _read(proc / "environ"):
+                where = "this machine"
+            elif names and pid not in _container_pids_at_start and (ct := _container_of(proc, names)):
+                where = f"container {ct}"
+            if where:
+                argv = _read(proc / "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append(Proc(pid, argv, where))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def kill(procs: Sequence[Proc]) -> None:
+    for proc in procs:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except OSError:
+            continue  # gone meanwhile
+
+
+def descendants(*roots: int) -> set[int]:
+    """``roots`` and every process below them (by parent PID), as they are now."""
+    children: dict[int, list[int]] = {}
+    for pid, proc in _processes():
+        stat = _read(proc / "stat").decode(errors="replace")
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+def argv_of(pid: int) -> str:
+    """The command line of ``pid`` as one string ("" when gone)."""
+    return _read(Path(f"/proc/{pid}/cmdline")).replace(b"\0", b" ").decode(errors="replace")
+
+
+# ------------------------------------------------------------------ the test host, shared
+
+
+@contextmanager
+def test_host_lock(exclusive: bool) -> Iterator[None]:
+    """Use of the test host: shared by any number of tests at once, or exclusive (a test that
+    changes what the others rely on). Two flock files: ``gate`` gives a waiting exclusive user
+    priority (new shared users queue behind it), ``lock`` is the readers-writer lock itself."""
+    import fcntl
+
+    folder = HOSTS_ENV.parent if HOSTS_ENV.parent.is_dir() else Path(tempfile.gettempdir())
+    with open(folder / "test-host.gate", "a") as gate, open(folder / "test-host.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 # ------------------------------------------------------------------ local tmux
 
 
@@ -307,7 +520,8 @@ class LocalTmux:
 
 @pytest.fixture
 def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
-    """Real tmux on a private socket dir (set as TMUX_TMPDIR for the test); its server killed after."""
+    """Real tmux on a private socket dir (set as TMUX_TMPDIR for the test); its server and everything
+    running under it killed after."""
     if shutil.which("tmux") is None:
         pytest.skip("tmux not installed")
     socket_dir = Path(tempfile.mkdtemp(prefix="fleet-tmux-", dir="/tmp"))  # short: socket paths are limited
@@ -315,7 +529,12 @@ def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
     monkeypatch.delenv("TMUX", raising=False)
     tmux = LocalTmux(socket_dir)
     yield tmux
+    # A run outlives its tmux server (run.sh ignores SIGHUP): whatever runs below the server is
+    # killed with it, pass or fail, so no test leaves its run behind.
+    server = tmux.run("display-message", "-p", "#{pid}", check=False).stdout.strip()
+    below = descendants(int(server)) - {int(server)} if server.isdigit() else set()
     tmux.run("kill-server", check=False)
+    kill([Proc(pid, "", "") for pid in below])
     shutil.rmtree(socket_dir, ignore_errors=True)
 
 

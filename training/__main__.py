@@ -2,10 +2,13 @@
 
     python -m training train  --config NAME|PATH --run-dir DIR [--topology N+M] [--section.key=value ...]
     python -m training eval   --run-dir DIR [--export FOLDER]
-    python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32]
+    python -m training export --run-dir DIR [--step N] --out FOLDER [--dtype bfloat16|float32] [--gguf]
+    python -m training serve-bench --run-dir DIR [--draft-lengths N,N] [--prompts N] [--max-new-tokens N]
     python -m training warm  --config NAME|PATH [--cache-dir ROOT] [--if-needed] [--section.key=value ...]
     python -m training plan  --config NAME|PATH [--gpus G] [--json] [--section.key=value ...]
     python -m training resume-check --config NAME|PATH --run-dir DIR [--section.key=value ...]
+    python -m training data   --config NAME|PATH [--json] [--section.key=value ...]
+    python -m training regen  --input FILE --output FILE --server ADDR [--server ADDR ...] [options]
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
@@ -60,13 +63,95 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
     export.add_argument("--out", required=True, type=Path, help="the folder to write (replaced atomically)")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    export.add_argument(
+        "--gguf", action="store_true", help="also the drafter + target as GGUF for llama.cpp, in <out>-gguf/"
+    )
+    export.add_argument(
+        "--target-model-dir",
+        type=Path,
+        default=None,
+        help="with --gguf: the target's HF folder (default: the run's)",
+    )
+    bench = sub.add_parser(
+        "serve-bench", help="the drafter in llama.cpp vs the target alone (training.engines)"
+    )
+    bench.add_argument("--run-dir", required=True, type=Path)
+    bench.add_argument(
+        "--draft-lengths", default="", metavar="N,N", help="default: 1, 3, block/2 - 1, block - 1"
+    )
+    bench.add_argument(
+        "--prompts", type=int, default=0, help="held-out prompts (default: all the run holds out)"
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the config's eval.max_new_tokens"
+    )
+    bench.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all cores)")
     warm = sub.add_parser(
         "warm", help="compile every shape of a config into a compile cache (training.run.warm)"
     )
     warm.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
     warm.add_argument("--cache-dir", default="", help=f"the cache root (default ${COMPILE_CACHE_ENV})")
     warm.add_argument("--if-needed", action="store_true", help="skip when the key is warm for this config")
+    data = sub.add_parser("data", help="the data report: records, tokens, drops, lengths, bucket plan")
+    data.add_argument("--config", required=True, help="config name in training/configs/ or a TOML path")
+    data.add_argument("--json", action="store_true", help="one JSON object instead of the text")
+    regen = sub.add_parser(
+        "regen", help="regenerate a data set's replies through OpenAI-compatible servers (resumable)"
+    )
+    regen.add_argument("--input", required=True, type=Path, help="JSONL: conversations, messages or prompts")
+    regen.add_argument(
+        "--output", required=True, type=Path, help="X.jsonl (+ X_error.jsonl, X_skipped.jsonl)"
+    )
+    regen.add_argument(
+        "--server", action="append", required=True, help="host:port or URL; repeat for several"
+    )
+    regen.add_argument("--model", default="default", help="the model name the servers expect")
+    regen.add_argument("--max-tokens", type=int, default=4096)
+    regen.add_argument("--temperature", type=float, default=0.8)
+    regen.add_argument("--concurrency", type=int, default=64, help="requests in flight per server")
+    regen.add_argument("--retries", type=int, default=4, help="per request, on the next server, with backoff")
+    regen.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    regen.add_argument("--reasoning", default="none", choices=("none", "save", "disable"))
+    regen.add_argument("--num-samples", type=int, default=0, help="only the first N records (0 = all)")
+    regen.add_argument("--retry-errors", action="store_true", help="send the error file's records again")
+    regen.add_argument("--json", action="store_true", help="the summary as one JSON object")
     return parser
+
+
+def _regen(args: argparse.Namespace) -> int:
+    """``regen``: exit 0 when every record is accounted for and none failed, 1 when some failed
+    (they are in the error file; the others are kept)."""
+    from training.data.engine_regen import RegenSettings, regenerate_file
+
+    settings = RegenSettings(
+        servers=tuple(args.server),
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        concurrency=args.concurrency,
+        retries=args.retries,
+        timeout_s=args.timeout,
+        reasoning=args.reasoning,
+        num_samples=args.num_samples,
+        retry_errors=args.retry_errors,
+    )
+    result = regenerate_file(args.input, args.output, settings)
+    print(result.to_json() if args.json else result.text(), flush=True)
+    return 0 if result.balanced and not result.error else 1
+
+
+def _data(config_name: str, overrides: list[str], as_json: bool) -> int:
+    from training.config import load_config
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import data_report, default_cache_dir
+
+    config = load_config(config_name, overrides)
+    _folder, tok_dir = model_source(config)
+    report = data_report(
+        config, load_tokenizer(tok_dir), default_cache_dir(config.model.cache_dir) / "data-cache"
+    )
+    print(report.to_json() if as_json else report.text(), flush=True)
+    return 0
 
 
 def _record_error(run_dir: Path | None, exc: BaseException) -> None:
@@ -106,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     args, extra = _parser().parse_known_args(argv)
+    if args.command in ("data", "regen"):  # read the data only: no run dir, no event
+        try:
+            if args.command == "regen":
+                if extra:
+                    raise_usage(f"unexpected argument {extra[0]!r}: see python -m training regen --help")
+                return _regen(args)
+            _check_overrides(extra)
+            return _data(args.config, extra, args.json)
+        except TrainingError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     if args.command == "resume-check":  # read-only: never writes an event into the run dir
         from training.run.resume_check import resume_check
 
@@ -139,7 +235,27 @@ def main(argv: list[str] | None = None) -> int:
             from training.export import export_main
 
             run_dir = None  # export only reads the run dir: no error event in a live run's log
-            return export_main(args.run_dir, args.out, args.step, args.dtype)
+            return export_main(
+                args.run_dir,
+                args.out,
+                args.step,
+                args.dtype,
+                gguf=args.gguf,
+                target_model_dir=args.target_model_dir,
+            )
+        elif args.command == "serve-bench":
+            if extra:
+                raise_usage(f"unexpected argument {extra[0]!r}: see python -m training serve-bench --help")
+            from training.engines.serve_bench import parse_lengths, serve_bench
+
+            run_dir = None  # a failed benchmark is not the run's error: no error event, phase kept
+            serve_bench(
+                args.run_dir,
+                draft_lengths=parse_lengths(args.draft_lengths),
+                num_prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                threads=args.threads,
+            )
         else:
             if extra:
                 raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir and --export")

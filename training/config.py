@@ -119,7 +119,11 @@ class DrafterSection:
 class DataSection:
     """Training data. ``path`` "" = the default corpus (Python stdlib sources as completions)."""
 
-    path: str = ""
+    path: str = ""  # a .jsonl/.json/.parquet file, a folder of them, or a datasets save_to_disk folder
+    # auto | specforge | sharegpt | text | messages | completion (training.data.formats); a data set
+    # holds one format, "auto" takes the one its records have.
+    format: str = "auto"
+    reasoning: str = "keep"  # keep | drop: the <think> blocks of reasoning targets (training.data.formats)
     cache_dir: str = ""  # "" = <run-dir>/data-cache
     max_length: int = 512
     token_budget: int = 4096  # tokens per batch (padded length x sequences)
@@ -139,6 +143,11 @@ class DataSection:
     regen_prompts: int = 256
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16
+    # OpenAI-compatible servers of the target (comma-separated host:port or URLs; SGLang, vLLM,
+    # llama-server): the regeneration goes to them (training.data.engine_regen, greedy, the same
+    # prompts and max new tokens) instead of ``generate`` in this process.
+    regen_servers: str = ""
+    regen_concurrency: int = 8  # requests in flight per server
 
 
 @dataclass(frozen=True)
@@ -234,6 +243,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.architecture": ("qwen3", "qwen3_5"),
     "model.checkpoint_layout": ("text", "multimodal"),
+    "data.format": ("auto", "specforge", "sharegpt", "text", "messages", "completion"),
+    "data.reasoning": ("keep", "drop"),
     "wandb.mode": ("offline", "online"),
     "compile.enabled": ("auto", "on", "off"),
     "pipeline.order": ("free", "fixed"),
@@ -486,6 +497,37 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
+# The target's shape: what ``tiny`` and ``random`` build. A ``smol`` or ``pretrained`` target's own
+# config.json decides it, and the run's config.json records the loaded model's values
+# (``with_loaded_shape``) rather than these keys' defaults, which that run never used.
+MODEL_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+LOADED_KINDS = ("smol", "pretrained")
+
+
+def with_loaded_shape(config: RunConfig, target_config: Any) -> RunConfig:
+    """``config`` with [model]'s shape keys as the loaded target has them (``target_config``: its
+    text config), for a ``smol`` or ``pretrained`` target; other kinds unchanged."""
+    if config.model.kind not in LOADED_KINDS:
+        return config
+    values = {}
+    for key in MODEL_SHAPE_KEYS:
+        value = getattr(target_config, key, None)
+        if key == "head_dim" and not isinstance(value, int):  # Llama-style configs derive it
+            value = target_config.hidden_size // target_config.num_attention_heads
+        if isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **values))
+
+
 # What a checkpoint depends on: a resume must not change these (steps, lr, logging, eval may).
 RESUME_SECTIONS = ("model", "drafter", "data")
 RESUME_FREE_KEYS = frozenset(
@@ -499,13 +541,16 @@ def resume_mismatches(saved: dict[str, Any], current: RunConfig) -> list[str]:
     side has (an older fleet wrote the file) are not compared."""
     now = config_to_dict(current)
     changed = []
+    model = saved.get("model")
+    loaded = isinstance(model, dict) and model.get("kind") in LOADED_KINDS
+    free = RESUME_FREE_KEYS | ({f"model.{k}" for k in MODEL_SHAPE_KEYS} if loaded else set())
     for section in RESUME_SECTIONS:
         old, new = saved.get(section), now.get(section)
         if not isinstance(old, dict) or not isinstance(new, dict):
             continue
         for key in sorted(old.keys() & new.keys()):
             name = f"{section}.{key}"
-            if name not in RESUME_FREE_KEYS and _plain(old[key]) != _plain(new[key]):
+            if name not in free and _plain(old[key]) != _plain(new[key]):
                 changed.append(f"{name} {old[key]!r} -> {new[key]!r}")
     return changed
 
@@ -542,5 +587,6 @@ __all__ = [
     "read_config",
     "resume_mismatches",
     "target_shape",
+    "with_loaded_shape",
     "write_config",
 ]

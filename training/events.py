@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -56,7 +57,8 @@ class EventWriter:
     """Appends events of one process (``rank``, ``role``) to ``<run_dir>/events.jsonl``.
 
     Lines are written with one ``write`` each on a file opened in append mode, so several
-    processes can share the file; each line is flushed as written.
+    processes can share the file; each line is flushed as written. A lock orders the writes of
+    this process's threads (a phase's progress reporter writes from its own thread).
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int = 0, role: str = "single") -> None:
@@ -68,6 +70,7 @@ class EventWriter:
         self.rank = rank
         self.role = role
         self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event line and return the object written."""
@@ -79,10 +82,12 @@ class EventWriter:
             "role": self.role,
         }
         obj.update(_jsonable(fields))
-        if self._file is None:
-            raise ValueError(f"EventWriter for {self.path} is closed")
-        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"EventWriter for {self.path} is closed")
+            self._file.write(line)
+            self._file.flush()
         return obj
 
     def phase(self, phase: str) -> dict[str, Any]:
@@ -99,9 +104,10 @@ class EventWriter:
         return emitted
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     def __enter__(self) -> EventWriter:
         return self

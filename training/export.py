@@ -208,8 +208,19 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export_main(run_dir: Path, out: Path, step: int | None, dtype: str) -> int:
-    """The command: export, then one line saying where it went."""
+def export_main(
+    run_dir: Path,
+    out: Path,
+    step: int | None,
+    dtype: str,
+    *,
+    gguf: bool = False,
+    target_model_dir: Path | None = None,
+) -> int:
+    """The command: export, then one line saying where it went; ``gguf``: also the drafter and its
+    target as GGUF files in ``<out>-gguf/`` (``training.engines.gguf``)."""
+    if target_model_dir is not None and not gguf:
+        raise ConfigError("export --target-model-dir is for --gguf: add --gguf")
     try:
         done = export_run(run_dir, out, step=step, dtype=dtype)
     except OSError as exc:
@@ -218,4 +229,19 @@ def export_main(run_dir: Path, out: Path, step: int | None, dtype: str) -> int:
         f"exported step {done.step} ({done.num_tensors} tensors, {dtype}, "
         f"mask_token_id {done.mask_token_id}) -> {done.path}"
     )
+    if gguf:
+        from training.engines.gguf import export_gguf
+        from training.engines.llamacpp import default_cache_root, ensure_llamacpp
+        from training.model.smol import gguf_path
+        from training.model.target import model_source
+
+        config = read_config(run_dir.resolve())
+        own = Path(model_source(config)[0])
+        target = target_model_dir.expanduser().resolve() if target_model_dir else own
+        shipped = gguf_path() if config.model.kind == "smol" and target == own else None
+        build = ensure_llamacpp(default_cache_root())
+        pair = export_gguf(
+            build, done.path, target, done.path.with_name(done.path.name + "-gguf"), shipped_target=shipped
+        )
+        print(pair.text())
     return 0

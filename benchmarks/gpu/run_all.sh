@@ -233,5 +233,21 @@ smol() {  # smol-h200 on one GPU: GGUF conversion, data regeneration, training, 
     echo "smol-h200 exit=$?"; grep -E "Regenerat|replies|step +[0-9]+ |eval step|done:|stopped" "$OUT/smol.log" | tail -40
     cp "$run/events.jsonl" "$OUT/smol_events.jsonl"
 }
+cold() {  # cold compile of the drafter step (qwen3-8b-h200 shape), variants side by side on disjoint cores:
+    # COLD_VARIANTS="label:cores:args;..." (default: the first bucket alone on every core)
+    local spec="${COLD_VARIANTS:-cold:0-$(($(nproc) - 1)):--lengths 4096}" v label cores extra
+    local ktime="$PWD/benchmarks/gpu/ktime"; rm -f /tmp/cold.lock
+    IFS=';' read -ra vs <<< "$spec"
+    for v in "${vs[@]}"; do
+        IFS=':' read -r label cores extra <<< "$v"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$ktime" FLEET_KERNEL_LOG="/tmp/k_$label.log" timeout -k 20 "${COLD_LIMIT_S:-500}" \
+            taskset -c "$cores" python3 benchmarks/cold_bench.py --cache "/tmp/cold-$label" --label "$label" \
+            --threads "$(taskset -c "$cores" nproc)" --lock /tmp/cold.lock --out "$OUT/cold_$label.json" $extra \
+            > "/tmp/cold_$label.log" 2>&1 &
+    done
+    wait
+    for v in "${vs[@]}"; do tail -n 3 "/tmp/cold_${v%%:*}.log" | cut -c1-400; done
+}
 for s in "${steps[@]}"; do echo "=== $s $(date -u +%T)"; "$s"; echo "=== $s done rc=$? $(date -u +%T)"; done
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

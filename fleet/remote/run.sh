@@ -2,6 +2,10 @@
 # fleet run wrapper, shipped in every release as remote/run.sh and started by fleet as the
 # command of the tmux pane (session fleet-run):   run.sh RUN_DIR RELEASE_DIR ARGV...
 #
+# - takes RUN_DIR/lock (flock) before anything else: every process of the run inherits the open
+#   file, so the lock is held exactly as long as any of them lives, whatever happens to tmux or to
+#   this shell. That lock is the run's liveness for status, runs, train, stop and pruning; a second
+#   wrapper in the same run dir finds it held and exits 75 without starting anything;
 # - records its pid and process group (tmux starts the pane with setsid: pgid == pid), which is
 #   what `fab stop` signals;
 # - loads the run's environment from RUN_DIR/run.env (0600, written from stdin by the launcher,
@@ -23,6 +27,14 @@ release_dir=$2
 shift 2
 log="$run_dir/train.log"
 
+exec 9>>"$run_dir/lock"
+# -w: a status read holds the lock shared for an instant; a live trainer holds it for good.
+if command -v flock >/dev/null 2>&1 && ! flock -w 5 9; then
+    printf 'fleet: a process of this run still holds %s (a trainer is live in this run dir); not starting a second\n' \
+        "$run_dir/lock" | tee -a -- "$log" >&2
+    exit 75
+fi
+
 read -r stat < "/proc/$$/stat" || stat=""
 rest=${stat##*) }
 read -r _state _ppid pgid _rest <<< "$rest" || true
@@ -43,9 +55,11 @@ unset FLEET_RESTART_MAX FLEET_RESTART_BACKOFF_S FLEET_NO_RETRY
 notify_url=${FLEET_NOTIFY_URL:-}
 notify_headers=${FLEET_NOTIFY_HEADERS:-}
 notify_command=${FLEET_NOTIFY_COMMAND:-}
+notify_command_env=${FLEET_NOTIFY_COMMAND_ENV:-}
 notify_target=${FLEET_NOTIFY_TARGET:-}
 stall_s=${FLEET_NOTIFY_STALL_S:-600}
-unset FLEET_NOTIFY_URL FLEET_NOTIFY_HEADERS FLEET_NOTIFY_COMMAND FLEET_NOTIFY_TARGET FLEET_NOTIFY_STALL_S
+unset FLEET_NOTIFY_URL FLEET_NOTIFY_HEADERS FLEET_NOTIFY_COMMAND FLEET_NOTIFY_COMMAND_ENV FLEET_NOTIFY_TARGET \
+    FLEET_NOTIFY_STALL_S
 notifier="$release_dir/remote/run_notify.py"
 python=${1:-python3}
 notifying=""
@@ -55,11 +69,15 @@ fi
 # The notifier's environment only; its output (one line per failed delivery) goes to the log.
 notify_run() {
     FLEET_NOTIFY_URL=$notify_url FLEET_NOTIFY_HEADERS=$notify_headers FLEET_NOTIFY_COMMAND=$notify_command \
-        FLEET_NOTIFY_TARGET=$notify_target "$python" -I "$notifier" "$@" >> "$log" 2>&1
+        FLEET_NOTIFY_COMMAND_ENV=$notify_command_env FLEET_NOTIFY_TARGET=$notify_target \
+        "$python" -I "$notifier" "$@" >> "$log" 2>&1
 }
+# In the background and without the run's lock: a slow or hanging webhook or command (the
+# notifier bounds both) never holds a restart, the exit status or the run's liveness. It ignores
+# the SIGHUP that tmux's closing pane sends once this shell has exited.
 notify() {  # STATE CAUSE
     if [ -n "$notifying" ]; then
-        notify_run send "$run_dir" "$1" "$2" || true
+        (trap '' HUP; notify_run send "$run_dir" "$1" "$2" 9>&- || true) &
     fi
 }
 export PYTHONPATH="$release_dir"

@@ -5,8 +5,17 @@
 # from its newest checkpoint): run.json becomes this launch's record, the previous launch's exit
 # files go, and nothing of the run dir is removed if the launch fails.
 # Every launch that started appends its record to RUN_DIR/segments.jsonl as {"segment": N, ...}.
-# Exit 75: a run is live in SESSION (the caller re-checks and names it); 73: RUN_ID exists (new)
-# or is missing (resume); 66: the release has no remote/run.sh; 70: the wrapper did not start.
+# Exit 75: a run is live (in SESSION, or any run dir whose lock is held: tmux may be gone while
+# its trainer lives on); 73: RUN_ID exists (new) or is missing (resume); 66: the release has no
+# remote/run.sh; 70: the wrapper did not start; 74: the environment file arrived incomplete.
+#
+# The environment file ends with `# fleet-env-bytes N`, N the bytes before that line: a short or
+# empty stdin (a connection dropped mid-launch) is refused before anything starts, so a launch is
+# whole or nothing and a retry finds either the complete run or none.
+# ARGV's interpreter given as <env>/current/bin/python is pinned to the build `current` names now
+# (its real path, also recorded in run.json as "env_dir"): a later env switch (rebuild, rollback,
+# a deploy with another lock) never changes a live run's interpreter or its imports, and env gc
+# keeps the build while run.json names it.
 #
 # A launch is done when run.sh has taken its environment (it deletes run.env once sourced).
 # Only then does runs/latest move to the new run. Any failure before that removes the new run
@@ -24,6 +33,35 @@ shift 7
 rel_dir="$workdir/releases/$release"
 run_dir="$workdir/runs/$run_id"
 test -f "$rel_dir/remote/run.sh" || { echo "release $release has no remote/run.sh: redeploy" >&2; exit 66; }
+# A run is alive while RUN_DIR/lock is held: run.sh takes it first and every process of the run
+# inherits it, so it outlives tmux and run.sh itself. Without flock, or for a run dir from before
+# the lock, a process of the recorded group that is not a zombie (tmux may leave a dead pane's
+# process unreaped). Never `kill -0 -- -PGID`: dash rejects it.
+run_alive() {
+    if [ -e "$1/lock" ] && command -v flock >/dev/null 2>&1; then
+        flock -n -s -E 75 "$1/lock" true 2>/dev/null
+        [ $? -eq 75 ]
+        return
+    fi
+    pgid=$(cat -- "$1/pgid" 2>/dev/null) || return 1
+    case "$pgid" in '' | *[!0-9]*) return 1 ;; esac
+    for st in /proc/[0-9]*/stat; do
+        { read -r line < "$st"; } 2>/dev/null || continue
+        rest=${line##*) }
+        # shellcheck disable=SC2086
+        set -- $rest
+        if [ "${3:-}" = "$pgid" ] && [ "$1" != Z ]; then
+            return 0
+        fi
+    done
+    return 1
+}
+for dir in "$workdir"/runs/*; do
+    if [ -d "$dir" ] && [ ! -L "$dir" ] && run_alive "$dir"; then
+        echo "run ${dir##*/} is live (its processes hold $dir/lock; tmux may be gone)" >&2
+        exit 75
+    fi
+done
 if "$tmux" has-session -t "=$session" 2>/dev/null; then
     if "$tmux" list-panes -s -t "=$session" -F '#{pane_dead}' | grep -qx 0; then
         echo "a run is live in tmux session $session" >&2
@@ -63,6 +101,31 @@ undo() {
 }
 trap undo EXIT
 (umask 077 && cat > "$run_dir/run.env")
+last=$(tail -n 1 -- "$run_dir/run.env")
+have=$(($(wc -c < "$run_dir/run.env") - ${#last} - 1))
+case "$last" in
+    "# fleet-env-bytes "[0-9]*) want=${last#"# fleet-env-bytes "} ;;
+    *) want="" ;;
+esac
+case "$want" in *[!0-9]*) want="" ;; esac
+if [ "$have" != "$want" ]; then
+    echo "the run's environment arrived incomplete ($have bytes, expected ${want:-a complete file}; the connection dropped?): nothing was started" >&2
+    exit 74
+fi
+case "${1:-}" in
+    */current/bin/python | */current/bin/python3)
+        env_link=${1%/bin/*}
+        if [ -L "$env_link" ] && env_dir=$(readlink -f -- "$env_link") && [ -x "$env_dir/bin/${1##*/}" ]; then
+            py="$env_dir/bin/${1##*/}"
+            shift
+            set -- "$py" "$@"
+            case "$env_dir" in
+                *[\"\\]*) ;;  # not written into JSON unescaped (a workdir with quotes)
+                *) run_json="${run_json%\}}, \"env_dir\": \"$env_dir\"}" ;;
+            esac
+        fi
+        ;;
+esac
 # The previous launch's outcome is not this one's (status reads exit_code and stop_signal); kept
 # aside until this launch has started, put back if it does not. The restart policy counts the
 # attempts of one launch: the previous launch's go to attempts-earlier.jsonl.

@@ -8,9 +8,10 @@ run's wrapper (remote/run.sh) with the run's python, on the target, next to the 
 
 Where to: the environment the wrapper gives it (from run.env, never argv): FLEET_NOTIFY_URL (POST
 of the JSON body), FLEET_NOTIFY_HEADERS (a JSON object), FLEET_NOTIFY_COMMAND (a JSON argv list,
-run with the body on stdin), FLEET_NOTIFY_TARGET. The body is small JSON: target, run, state,
-step, cause, fix. The URL and header values may hold secrets: nothing here prints them; a failed
-delivery says only its kind (one line in train.log).
+run with the body on stdin and only the environment ``command_env`` gives it: PATH, HOME, locale and
+the run.env keys named in FLEET_NOTIFY_COMMAND_ENV), FLEET_NOTIFY_TARGET. The body is small JSON:
+target, run, state, step, cause, fix. The URL and header values may hold secrets: nothing here
+prints them; a failed delivery says only its kind (one line in train.log).
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# Bounded, so a hanging webhook or command cannot hold the wrapper's notifier for long.
+WEBHOOK_TIMEOUT_S = 10
+COMMAND_TIMEOUT_S = 20
+BASE_ENV = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR"}
+)
 
 FIXES = {
     "failed": "`fab status` shows the diagnosis; after the fix `fab train` continues from the checkpoint",
@@ -64,18 +72,25 @@ def body(run_dir: Path, state: str, cause: str) -> bytes:
     return json.dumps(data, sort_keys=True).encode()
 
 
+def command_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The notify command's environment: the basics a program needs, plus only the run.env keys
+    the inventory names (``notify.command_env``); never the run's other secrets or the notifier's."""
+    passed = set((environ.get("FLEET_NOTIFY_COMMAND_ENV") or "").split())
+    return {k: v for k, v in environ.items() if k in BASE_ENV or (k in passed and not k.startswith("FLEET_"))}
+
+
 def send(run_dir: Path, state: str, cause: str) -> int:
     payload = body(run_dir, state, cause)
     failed = 0
     url = os.environ.get("FLEET_NOTIFY_URL", "")
     if url:
-        headers = {
-            "Content-Type": "application/json",
-            **json.loads(os.environ.get("FLEET_NOTIFY_HEADERS") or "{}"),
-        }
-        request = urllib.request.Request(url, data=payload, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            headers = {
+                "Content-Type": "application/json",
+                **json.loads(os.environ.get("FLEET_NOTIFY_HEADERS") or "{}"),
+            }
+            request = urllib.request.Request(url, data=payload, headers=headers, method="POST")
+            with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:
                 response.read()
         except urllib.error.HTTPError as exc:
             print(f"fleet: notify ({state}): the webhook answered HTTP {exc.code}", file=sys.stderr)
@@ -87,11 +102,19 @@ def send(run_dir: Path, state: str, cause: str) -> int:
                 file=sys.stderr,
             )
             failed = 1
+        except Exception as exc:  # one line, never the message: it may quote the URL or a header
+            print(
+                f"fleet: notify ({state}): the webhook request could not be made ({type(exc).__name__}); "
+                "check notify.url and notify.headers in the inventory",
+                file=sys.stderr,
+            )
+            failed = 1
     command = json.loads(os.environ.get("FLEET_NOTIFY_COMMAND") or "[]")
     if command:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_NOTIFY_")}
         try:
-            done = subprocess.run(command, input=payload, env=env, timeout=60, check=False)
+            done = subprocess.run(
+                command, input=payload, env=command_env(os.environ), timeout=COMMAND_TIMEOUT_S, check=False
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"fleet: notify ({state}): the command failed ({type(exc).__name__})", file=sys.stderr)
             return 1

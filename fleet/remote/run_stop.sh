@@ -1,53 +1,70 @@
 # shellcheck shell=sh
 # fleet run stop (sent as `sh -c <this> fleet-run-stop WORKDIR TMUX SESSION SIGNAL TIMEOUT_S`).
-# Signals only the process group that run.sh recorded, and only while that group's leader is the
-# live pane process of SESSION (so a stale pgid can never hit another process). Prints one word:
+# Signals the process group that run.sh recorded for the latest run, only while that run is alive
+# by its lock (run_alive): with or without tmux, and never a stale pgid. Prints one word:
 #   none               no live run
-#   mismatch           the live pane is not a fleet run.sh (pgid file missing or different)
-#   gone TENTHS        the group exited after the signal (TENTHS of a second later)
+#   mismatch           no live run of this workdir, but SESSION has a live pane (another workdir's
+#                      run, or not a fleet run)
+#   gone TENTHS        the run ended after the signal (TENTHS of a second later)
 #   alive TIMEOUT_S    still running when TIMEOUT_S ran out
 workdir=$1
 tmux=$2
 session=$3
 sig=$4
 timeout_s=$5
-pane=$("$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_pid}' 2>/dev/null | head -n 1)
-case "$pane" in
-    "0 "*) pane_pid=${pane#0 } ;;
-    *) echo none; exit 0 ;;
-esac
-# A run started a moment ago may not have written its pgid yet: wait for it (bounded).
-tries=0
-while [ -e "$workdir/runs/latest" ] && [ ! -s "$workdir/runs/latest/pgid" ] && [ "$tries" -lt 50 ]; do
-    sleep 0.1
-    tries=$((tries + 1))
-done
-pgid=$(cat -- "$workdir/runs/latest/pgid" 2>/dev/null) || pgid=""
-if [ -z "$pgid" ] || [ "$pgid" != "$pane_pid" ]; then
-    echo "mismatch"
-    exit 0
-fi
-# Alive = a process of the group that is not a zombie. (`kill -0` is not enough: tmux 3.3a
-# sometimes leaves a dead pane's process unreaped, a zombie that would look alive forever.)
-group_alive() {
-    [ -d /proc/self ] || { kill -s 0 -- "-$pgid" 2>/dev/null; return; }
+# A run is alive while RUN_DIR/lock is held: run.sh takes it first and every process of the run
+# inherits it, so it outlives tmux and run.sh itself. Without flock, or for a run dir from before
+# the lock, a process of the recorded group that is not a zombie (tmux may leave a dead pane's
+# process unreaped). Never `kill -0 -- -PGID`: dash rejects it.
+run_alive() {
+    if [ -e "$1/lock" ] && command -v flock >/dev/null 2>&1; then
+        flock -n -s -E 75 "$1/lock" true 2>/dev/null
+        [ $? -eq 75 ]
+        return
+    fi
+    pgid=$(cat -- "$1/pgid" 2>/dev/null) || return 1
+    case "$pgid" in '' | *[!0-9]*) return 1 ;; esac
     for st in /proc/[0-9]*/stat; do
         { read -r line < "$st"; } 2>/dev/null || continue
         rest=${line##*) }
         # shellcheck disable=SC2086
         set -- $rest
-        if [ "${3:-}" = "$pgid" ] && [ "$1" != "Z" ]; then
+        if [ "${3:-}" = "$pgid" ] && [ "$1" != Z ]; then
             return 0
         fi
     done
     return 1
 }
+# The latest run's id: runs/latest, or when that dangles (its dir removed by hand) or is missing
+# while run dirs exist, the newest run dir (run ids start with their UTC start time).
+latest_run() {
+    id=$(readlink -- "$1/runs/latest" 2>/dev/null) || id=""
+    id=${id##*/}
+    if [ -n "$id" ] && [ -d "$1/runs/$id" ] && [ ! -L "$1/runs/$id" ]; then
+        printf '%s' "$id"
+        return
+    fi
+    id=""
+    for d in "$1"/runs/*; do
+        if [ -d "$d" ] && [ ! -L "$d" ]; then id=${d##*/}; fi
+    done
+    printf '%s' "$id"
+}
+run_id=$(latest_run "$workdir")
+run_dir="$workdir/runs/$run_id"
+pgid=$(cat -- "$run_dir/pgid" 2>/dev/null) || pgid=""
+case "$pgid" in '' | *[!0-9]*) pgid="" ;; esac
+if [ -z "$run_id" ] || [ -z "$pgid" ] || ! run_alive "$run_dir"; then
+    pane=$("$tmux" list-panes -s -t "=$session" -F '#{pane_dead}' 2>/dev/null | head -n 1)
+    if [ "$pane" = 0 ]; then echo mismatch; else echo none; fi
+    exit 0
+fi
 # Recorded first, so `fab status` can tell a `fab stop --force` (exit 137) from an OOM kill.
-printf '%s\n' "$sig" > "$workdir/runs/latest/stop_signal" 2>/dev/null || true
+printf '%s\n' "$sig" > "$run_dir/stop_signal" 2>/dev/null || true
 kill -s "$sig" -- "-$pgid" 2>/dev/null || true
 ticks=0
 limit=$((timeout_s * 5))
-while group_alive; do
+while run_alive "$run_dir"; do
     if [ "$ticks" -ge "$limit" ]; then
         echo "alive $timeout_s"
         exit 0
@@ -55,7 +72,6 @@ while group_alive; do
     sleep 0.2
     ticks=$((ticks + 1))
 done
-run_dir=$(readlink -f -- "$workdir/runs/latest")
 if [ "$sig" = KILL ] && [ ! -e "$run_dir/exit_code" ]; then
     # run.sh was killed too and could not record it: record what a shell would report.
     printf '137\n' > "$run_dir/exit_code"

@@ -339,17 +339,30 @@ FATAL_SIGNATURES = frozenset(
 SIGKILL_EXIT = 137  # 128 + 9: what a shell reports for a process killed by SIGKILL
 
 
+def resume_words(checkpoint_step: int | None) -> str:
+    """What ``fab train`` will find: the newest checkpoint's step, or none (a start from step 1)."""
+    if checkpoint_step:
+        return f"`fab train` resumes from the checkpoint of step {checkpoint_step}"
+    return "`fab train` starts the run again from step 1 (it wrote no checkpoint)"
+
+
 def killed_diagnosis(
-    exit_code: int | None, stop_signal: str, kernel_readable: bool | None, kernel_oom: Sequence[str]
+    exit_code: int | None,
+    stop_signal: str,
+    kernel_readable: bool | None,
+    kernel_oom: Sequence[str],
+    checkpoint_step: int | None = None,
 ) -> Diagnosis | None:
-    """A run that ended by SIGKILL (exit 137): who killed it, as far as the target can tell."""
+    """A run that ended by SIGKILL (exit 137): who killed it, as far as the target can tell;
+    ``checkpoint_step``: its newest complete checkpoint (None: none), what a resume finds."""
     if exit_code != SIGKILL_EXIT:
         return None
+    resume = resume_words(checkpoint_step)
     if stop_signal == "KILL":
         return Diagnosis(
             "sigkill",
             "killed by `fab stop --force` (SIGKILL, exit 137): no checkpoint was written at the end",
-            "`fab train` resumes from the last checkpoint; plain `fab stop` checkpoints before it exits",
+            f"{resume}; plain `fab stop` stops in any phase and checkpoints a trained step before it exits",
             "fab stop --force",
         )
     if kernel_oom:
@@ -371,7 +384,7 @@ def killed_diagnosis(
         "sigkill",
         "the run was killed by SIGKILL (exit 137); the likely causes: the kernel's OOM killer (RAM), "
         "`fab stop --force` or a `kill -9`, or its container being stopped",
-        f"{check}; then `fab train` resumes from the last checkpoint",
+        f"{check}; then {resume}",
         f"exit code {SIGKILL_EXIT} (128 + SIGKILL)",
     )
 

@@ -15,13 +15,14 @@ import datetime as dt
 import json
 import re
 import secrets
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleet import remote
-from fleet.errors import ConfigError, GpuGateError, RunError
+from fleet.errors import CommandFailed, ConfigError, GpuGateError, RunError, TargetError
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
 from fleet.status.model import GpuRow, RunFacts, RunStatus, State, build_status
@@ -81,14 +82,19 @@ def parse_fetch(
     alive: bool | None = None
     exit_code = _int(s.get("exit_code", ""))
     if run_id:
-        pane = s.get("pane", "").split()
+        # tmux leaves a field empty (a pane killed by a signal has no exit status): split on the
+        # single spaces of the format, so no field slides into another's place.
+        pane = (s.get("pane", "").splitlines() or [""])[0].split(" ")
         # The session's pane is this run's only when its pid is the one run.sh recorded: a pane
         # left by another run must not lend this one its liveness or exit status.
         pid, pane_pid = _int(s.get("pid", "")), _int(pane[3]) if len(pane) > 3 else None
-        if pid is None or (pane_pid is not None and pane_pid != pid):
+        if pid is None or (pane_pid is not None and pane_pid != pid) or pane[0] not in ("0", "1"):
             pane = []
-        alive = bool(pane) and pane[0] == "0"
-        if exit_code is None and pane and pane[0] == "1":
+        # The run's own lock says whether it lives (tmux may be gone while its trainer runs on);
+        # the pane only where the script predates that section.
+        lock = s.get("alive", "").strip()
+        alive = lock == "1" if lock in ("0", "1") else bool(pane) and pane[0] == "0"
+        if exit_code is None and not alive and pane and pane[0] == "1":
             status, signal = (
                 _int(pane[1]) if len(pane) > 1 else None,
                 _int(pane[2]) if len(pane) > 2 else None,
@@ -178,6 +184,29 @@ def fetch(
     result = target.run(argv, timeout=60)
     gpu_targets = spec.topology.targets if spec.topology else None
     return parse_fetch(result.stdout, boundary, tail_bytes=events_bytes, gpu_targets=gpu_targets)
+
+
+WATCH_RETRIES = 5  # consecutive dropped sessions ``--watch`` rides out before it gives up
+
+
+def fetch_retrying(target: Target, pause: float, retries: int = WATCH_RETRIES) -> Callable[[], RunStatus]:
+    """``fetch_status`` for ``--watch``: a dropped SSH session (a TargetError that is not a failed
+    command) is reconnected and read again, up to ``retries`` times in a row, ``pause`` s apart."""
+
+    def get() -> RunStatus:
+        for attempt in range(retries + 1):
+            try:
+                return fetch_status(target)
+            except CommandFailed:
+                raise
+            except TargetError:
+                if attempt == retries:
+                    raise
+                target.close()
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    return get
 
 
 def fetch_status(target: Target) -> RunStatus:

@@ -25,7 +25,12 @@ then liveness decides:
     process gone, exit 0        -> finished (phase done) else stopped
     process gone, exit != 0     -> failed (the exit status is shown; kill -9 -> 137)
     process gone, no exit file  -> finished/stopped if the phase says so, else failed
-    alive, non-final state, no new event and no log growth for stall_window_s -> stalled
+    alive, non-final state, no activity and no log growth for stall_window_s -> stalled
+
+Activity is any event but a ``progress`` event whose ``done`` did not move: a long phase reports
+every 10 s (training/EVENTS.md), so a phase that progresses is never stalled, while one whose
+reporter still beats but whose work stopped moving is, and the note names the phase and its
+last progress.
     liveness unknown (--log)    -> the phase state as is, unless the log shows a fatal error
                                    (a traceback, a C++ abort, a crash): failed
 
@@ -55,6 +60,7 @@ from fleet.status.diagnose import (
     diagnose,
     find_traceback,
     killed_diagnosis,
+    resume_words,
 )
 from training.contract import BucketTable, find_bucket_table, parse_events
 
@@ -105,6 +111,82 @@ class LoadProgress:
     done: int
     total: int
     seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ServeFigure:
+    """The drafter served by llama.cpp (``python -m training serve-bench``), against the target alone."""
+
+    backend: str
+    prompts: int
+    best_draft: int
+    best_speedup: float
+    alone_tok_s: float
+    best_tok_s: float
+    engine_tau: float
+    project_tau: float
+    identical: bool
+
+    @classmethod
+    def from_event(cls, ev: Mapping[str, Any]) -> ServeFigure | None:
+        drafts, rates, same = ev.get("draft_lengths"), ev.get("tok_s"), ev.get("identical")
+        prompts = _int(ev.get("prompts"))
+        if not (isinstance(drafts, list) and isinstance(rates, list) and isinstance(same, list) and prompts):
+            return None
+        if not drafts or len(drafts) != len(rates) or len(drafts) != len(same):
+            return None
+        best = _int(ev.get("best_draft"))
+        best_rate = next((r for d, r in zip(drafts, rates, strict=True) if d == best), rates[0])
+        return cls(
+            backend=str(ev.get("backend", "")),
+            prompts=prompts,
+            best_draft=best or 0,
+            best_speedup=_num(ev.get("best_speedup")) or 0.0,
+            alone_tok_s=float(rates[0]),
+            best_tok_s=float(best_rate),
+            engine_tau=_num(ev.get("engine_tau")) or 0.0,
+            project_tau=_num(ev.get("project_tau")) or 0.0,
+            identical=all(n == prompts for n in same),
+        )
+
+    def text(self) -> str:
+        same = "identical" if self.identical else "DIFFER"
+        return (
+            f"llama.cpp {self.backend}: {self.best_speedup:.2f}x at draft {self.best_draft} "
+            f"({self.alone_tok_s:,.0f} -> {self.best_tok_s:,.0f} tok/s), {self.engine_tau:.2f} per round "
+            f"(eval tau {self.project_tau:.2f}), greedy {same} on {self.prompts} prompts"
+        )
+
+
+@dataclass(frozen=True)
+class PhaseProgress:
+    """The last ``progress`` event of the live phase: ``done`` of ``total`` ``unit``."""
+
+    phase: str
+    what: str
+    done: float
+    total: float
+    unit: str
+    rate: float  # units per second since the phase's work began
+    seconds: float
+    ts: float
+
+    @property
+    def fraction(self) -> float | None:
+        return min(1.0, self.done / self.total) if self.total > 0 else None
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the phase's rate so far; None before any unit is done."""
+        if self.total <= 0 or self.rate <= 0:
+            return None
+        return max(0.0, self.total - self.done) / self.rate
+
+    def text(self) -> str:
+        """``regenerating the data (16 greedy replies): 240/512 tokens (47%)``."""
+        pct = f" ({100 * self.fraction:.0f}%)" if self.fraction is not None else ""
+        total = f"/{self.total:,.0f}" if self.total > 0 else ""
+        return f"{self.what}: {self.done:,.0f}{total} {self.unit}{pct}"
 
 
 @dataclass(frozen=True)
@@ -200,7 +282,7 @@ class RunStatus:
     total_steps: int | None
     epoch: int | None
     loss: float | None
-    loss_trend: float | None  # relative change of the recent mean loss (-0.05 = 5% lower)
+    loss_trend: float | None  # mean loss, last loss_window steps vs the loss_window before (-0.05: 5% lower)
     tau: float | None
     eval_tau: float | None  # the last eval's tau_mean (per round)
     eval_tau_prompt: float | None  # its tau_prompt_mean (per prompt, as z-lab's benchmark reports it)
@@ -226,6 +308,9 @@ class RunStatus:
     # and why the attempt before it ended ("exit 137", "config-error (not retryable)", ...).
     attempt: int = 1
     last_cause: str = ""
+    serve: ServeFigure | None = None  # the last `serve_bench` event: the drafter in llama.cpp
+    progress: PhaseProgress | None = None  # the live phase's last progress report
+    loss_window: int | None = None  # steps in each window of loss_trend
 
     def target_paths(self) -> list[tuple[str, list[int]]]:
         """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
@@ -357,7 +442,7 @@ def derive_state(
         if facts.now is not None and last_activity is not None:
             if facts.now - last_activity > stall_window_s:
                 age = facts.now - last_activity
-                return State.STALLED, last_activity, f"no new event or log output for {age:.0f}s"
+                return State.STALLED, last_activity, f"no progress, new event or log output for {age:.0f}s"
     return state, phase_since, ""
 
 
@@ -451,12 +536,31 @@ def build_status(
     checkpoint = None
     error = None
     eval_tau = eval_tau_prompt = None
+    serve: ServeFigure | None = None
     targets: dict[int, TargetPath] = {}
+    progress: PhaseProgress | None = None
+    progress_done: dict[tuple[int, str, str], float] = {}
+    activity: float | None = None  # the last event that was not a beat without progress
+    stop_info: tuple[str, int | None] | None = None  # a stop's (phase it interrupted, resume step)
     for ev in events:
         kind = ev["event"]
         rank = ev["rank"] if isinstance(ev.get("rank"), int) else 0
         role = ev["role"] if isinstance(ev.get("role"), str) else "single"
-        if kind == "buckets":
+        if kind != "progress":
+            activity = float(ev["ts"])
+        if kind == "phase" and ev.get("phase") == "stopped" and isinstance(ev.get("during"), str):
+            stop_info = (ev["during"], _int(ev.get("resume_step")))
+        if kind == "progress" and _num(ev.get("done")) is not None and _num(ev.get("total")) is not None:
+            key = (rank, str(ev.get("phase", "")), str(ev.get("what", "")))
+            done = float(ev["done"])
+            if key not in progress_done or done > progress_done[key]:
+                activity = float(ev["ts"])
+            progress_done[key] = done
+            progress = PhaseProgress(
+                key[1], key[2], done, float(ev["total"]), str(ev.get("unit", "")),
+                _num(ev.get("rate")) or 0.0, _num(ev.get("seconds")) or 0.0, float(ev["ts"]),
+            )  # fmt: skip
+        elif kind == "buckets":
             buckets = BucketTable.from_event(ev) or buckets
         elif kind == "load_progress" and _int(ev.get("done")) is not None and _int(ev.get("total")):
             load = LoadProgress(str(ev.get("what", "")), ev["done"], ev["total"], _num(ev.get("seconds")))
@@ -488,6 +592,8 @@ def build_status(
                 f"checkpoint step {ev.get('step')} failed its check ({ev.get('reason', '')}): "
                 f"set aside as {ev.get('moved_to', '')}"
             )
+        elif kind == "serve_bench":
+            serve = ServeFigure.from_event(ev) or serve
         elif kind == "eval":
             eval_tau = _num(ev.get("tau_mean"))
             eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
@@ -515,7 +621,11 @@ def build_status(
     diagnosis = diagnose(log_text, events)
     if facts.alive is False:
         killed = killed_diagnosis(
-            facts.exit_code, facts.stop_signal, facts.kernel_log_readable, facts.kernel_oom
+            facts.exit_code,
+            facts.stop_signal,
+            facts.kernel_log_readable,
+            facts.kernel_oom,
+            checkpoint.step if checkpoint else None,
         )
         diagnosis = [*diagnosis, killed] if killed else diagnosis  # the kill came last
     phase, phase_since = run_phase(events)
@@ -524,11 +634,24 @@ def build_status(
     fatal = error is not None or any(d.signature in FATAL_SIGNATURES for d in diagnosis)
     if facts.alive is None and fatal and phase not in FINAL_PHASES:
         phase, phase_since = "error", None  # an offline log that ends in a crash
-    times = [t for t in (events[-1]["ts"] if events else None, facts.log_mtime, facts.events_mtime) if t]
+    # A beat without progress is no activity, and neither is the events file's mtime it moved.
+    beating = bool(events) and events[-1]["event"] == "progress" and activity != events[-1]["ts"]
+    times = [t for t in (activity, facts.log_mtime, None if beating else facts.events_mtime) if t]
     last_activity = max(times) if times else None
+    if progress is not None and (progress.phase != phase or (phase_since and progress.ts < phase_since)):
+        progress = None  # an earlier phase's
+    if progress is not None and steps and steps[-1]["ts"] > progress.ts:
+        progress = None  # the first step's compile, done since
     state, since, note = derive_state(phase, phase_since, facts, last_activity, stall_window_s)
+    if note and state == "stalled" and progress is not None and facts.now is not None:
+        age = facts.now - progress.ts
+        note += f" (phase {phase}: {progress.text()}, still reported {age:.0f}s ago but not moving)"
     if note:
         notes.append(note)
+    if state == "stopped" and stop_info is not None:
+        during, resume_step = stop_info
+        where = "between steps" if during == "train" else f"during {during}"
+        notes.append(f"stopped {where}: {resume_words(resume_step)}")
 
     last = steps[-1] if steps else None
     step_median = {rank: median(rates) or 0.0 for rank, (_, rates) in step_rates.items()}
@@ -550,6 +673,14 @@ def build_status(
         )
     if cache and cache.warm_with_misses:
         notes.append("warm compile cache but misses: something recompiled (concurrent-compile risk)")
+    trend = loss_trend([(int(s["step"]), _num(s.get("loss"))) for s in steps])
+    eta: float | None = None
+    if state not in ("finished", "stopped", "failed", "stalled"):
+        if progress is not None:  # a long phase: its own rate
+            eta = progress.eta_s
+        elif state == "training":
+            bpe = buckets.batches_per_epoch if buckets else None
+            eta = eta_seconds(live_steps, bpe, origin=(phase_since, resumed_from or 0))
 
     return RunStatus(
         target=target,
@@ -567,13 +698,14 @@ def build_status(
         total_steps=_int(last.get("total_steps")) if last else None,
         epoch=_int(last.get("epoch")) if last else None,
         loss=_num(last.get("loss")) if last else None,
-        loss_trend=loss_trend([_num(s.get("loss")) for s in steps]),
+        loss_trend=trend[0] if trend else None,
+        loss_window=trend[1] if trend else None,
         tau=_num(last.get("tau")) if last else None,
         eval_tau=eval_tau,
         eval_tau_prompt=eval_tau_prompt,
         tokens_per_s=sum(step_median.values()) if step_median else None,
         tokens_per_s_by_role=by_role,
-        eta_s=eta_seconds(live_steps) if state not in ENDED else None,
+        eta_s=eta,
         gpus=tuple(gpus),
         compile_cache=cache,
         last_checkpoint=checkpoint,
@@ -588,6 +720,8 @@ def build_status(
         history=tuple((s["step"], _num(s.get("loss"))) for s in steps),
         attempt=_attempt(facts.attempts),
         last_cause=str(facts.attempts[-1].get("cause", "")) if facts.attempts else "",
+        serve=serve,
+        progress=progress if state not in ("finished", "stopped", "failed") else None,
     )
 
 
@@ -600,26 +734,64 @@ def _attempt(attempts: Sequence[Mapping[str, Any]]) -> int:
     return n + 1 if last.get("retry") is True else n
 
 
-def loss_trend(losses: Sequence[float | None], window: int = 10) -> float | None:
-    """Relative change of the mean of the last ``window`` losses vs the ``window`` before them."""
-    values = [v for v in losses if v is not None and math.isfinite(v)]
-    k = min(window, len(values) // 2)
-    if k < 2:
+def loss_trend(
+    points: Sequence[tuple[int, float | None]], window_steps: int = 50
+) -> tuple[float, int] | None:
+    """(relative change, window): the mean loss of the step events in the last ``window`` steps vs
+    the mean of those in the ``window`` steps before them; ``window`` is ``window_steps``, or half
+    the steps logged when fewer. None until each window holds two logged steps. Recent means
+    recent: a run's first steps (a loss of 60+ at step 1) leave the figure once they are more than
+    two windows back."""
+    values = [(step, v) for step, v in points if v is not None and math.isfinite(v)]
+    if len(values) < 4:
         return None
-    before = sum(values[-2 * k : -k]) / k
-    after = sum(values[-k:]) / k
-    return (after - before) / abs(before) if before else None
+    last = values[-1][0]
+    window = max(1, min(window_steps, last // 2))
+    recent = [v for step, v in values if step > last - window]
+    before = [v for step, v in values if last - 2 * window < step <= last - window]
+    if len(recent) < 2 or len(before) < 2:
+        return None
+    mean_before, mean_recent = sum(before) / len(before), sum(recent) / len(recent)
+    return ((mean_recent - mean_before) / abs(mean_before), window) if mean_before else None
 
 
-def eta_seconds(steps: Sequence[Mapping[str, Any]], window: int = 20) -> float | None:
-    """Seconds to ``total_steps`` at the pace of the recent step events of one rank."""
-    recent = list(steps[-window:])
-    if len(recent) < 2:
+def eta_seconds(
+    steps: Sequence[Mapping[str, Any]],
+    batches_per_epoch: int | None = None,
+    window: int = 20,
+    origin: tuple[float | None, int] = (None, 0),
+) -> float | None:
+    """Seconds to ``total_steps`` of one rank's step events, at the pace the rest will run.
+
+    The pace is the recent step events' within the current epoch (the first epoch of a run that
+    caches the target's hidden states runs the target, the later ones do not). While that first
+    epoch runs, the steps after it are priced without the target's share of a step (the step
+    events' ``target_s`` of ``step_s``, training/EVENTS.md), given the epoch's length in batches
+    (the ``buckets`` event; one batch per step). With one step event so far, the pace is that
+    step's since ``origin`` (when training began, at which step): the first step's warm-up
+    included, so an overestimate until the second."""
+    if not steps:
         return None
-    first, last = recent[0], recent[-1]
-    done = last["step"] - first["step"]
-    elapsed = float(last["ts"]) - float(first["ts"])
+    last = steps[-1]
+    epoch = _int(last.get("epoch"))
+    same = [s for s in steps if _int(s.get("epoch")) == epoch]
+    recent = list((same if len(same) >= 2 else steps)[-window:])
+    if len(recent) >= 2:
+        first_ts, first_step = float(recent[0]["ts"]), int(recent[0]["step"])
+    elif origin[0] is not None:
+        first_ts, first_step = origin
+    else:
+        return None
+    done = last["step"] - first_step
+    elapsed = float(last["ts"]) - first_ts
     total = _int(last.get("total_steps"))
     if done <= 0 or elapsed <= 0 or total is None:
         return None
-    return max(0, total - last["step"]) * elapsed / done
+    pace = elapsed / done
+    left = max(0, total - last["step"])
+    timed = [s for s in recent if _num(s.get("target_s")) is not None and _num(s.get("step_s"))]
+    if epoch == 0 and timed and batches_per_epoch:
+        share = sum(float(s["target_s"]) for s in timed) / sum(float(s["step_s"]) for s in timed)
+        in_epoch = min(left, max(0, batches_per_epoch - last["step"]))
+        return in_epoch * pace + (left - in_epoch) * pace * max(0.0, 1.0 - share)
+    return left * pace

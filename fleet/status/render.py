@@ -58,18 +58,22 @@ def show(results: Sequence[tuple[str, RunStatus | FleetError]], *, as_json: bool
     return max(r.exit_code for _, r in results)
 
 
-def watch(get: Callable[[], RunStatus], interval: float, *, as_json: bool) -> RunStatus:
+def watch(get: Callable[[], RunStatus], interval: float, *, as_json: bool) -> RunStatus | None:
     """``--watch``: one JSON line per refresh (``as_json``) or the picture refreshed in place, every
-    ``interval`` s until the run is final; returns the last status."""
-    if not as_json:
-        return watch_live(get, interval)
-    st = get()
-    _print_json(st.to_json())
-    while not st.final:
-        time.sleep(interval)
+    ``interval`` s until the run is final; returns the last status, or None when the user ended
+    the watch (Ctrl-C: leaving a watch is no failure, as for ``fab logs --follow``)."""
+    try:
+        if not as_json:
+            return watch_live(get, interval)
         st = get()
         _print_json(st.to_json())
-    return st
+        while not st.final:
+            time.sleep(interval)
+            st = get()
+            _print_json(st.to_json())
+        return st
+    except KeyboardInterrupt:
+        return None
 
 
 def watch_live(get: Callable[[], RunStatus], interval: float) -> RunStatus:
@@ -137,22 +141,32 @@ def render(st: RunStatus, now: float | None = None) -> Group:
     info = Table.grid(padding=(0, 2))
     info.add_column(style="dim")
     info.add_column()
-    if st.load:
+    if st.progress is not None:
+        p = st.progress
+        rate = f", {p.rate:,.3g} {p.unit}/s" if p.rate > 0 else ""
+        eta = f", ETA {_duration(p.eta_s)}" if p.eta_s is not None else ", ETA - (no unit done yet)"
+        info.add_row("progress", f"{p.text()}{rate}{eta}  (reported {_ago(p.ts, now)})")
+    elif st.load:
         info.add_row("load", f"{st.load.what} {st.load.done} of {st.load.total}")
     if st.step is not None:
         epoch = f"  epoch {st.epoch}" if st.epoch is not None else ""
         info.add_row("step", f"{st.step}/{st.total_steps or '?'}{epoch}")
-        trend = "" if st.loss_trend is None else f"  ({st.loss_trend * 100:+.1f}% recent)"
+        trend = ""
+        if st.loss_trend is not None:
+            w = st.loss_window
+            trend = f"  ({st.loss_trend * 100:+.1f}% over the last {w} steps vs the {w} before)"
         info.add_row("loss", f"{_f(st.loss)}{trend}")
         tau = f"{_f(st.tau, '.3f')}" + (f"  eval {_f(st.eval_tau, '.3f')}" if st.eval_tau else "")
         if st.eval_tau and st.eval_tau_prompt:
             tau += f" per round, {_f(st.eval_tau_prompt, '.3f')} per prompt"
         info.add_row("tau", tau)
+    if st.serve is not None:
+        info.add_row("engine", st.serve.text())
     if st.tokens_per_s is not None or st.tokens_per_s_by_role:
         roles = "  ".join(f"{r} {v:,.0f}" for r, v in sorted(st.tokens_per_s_by_role.items()))
         info.add_row("tokens/s", f"{_f(st.tokens_per_s, ',.0f')}  ({roles})")
     if st.eta_s is not None:
-        info.add_row("ETA", _duration(st.eta_s))
+        info.add_row("ETA", _duration(st.eta_s) + ("" if st.progress else " to the last step"))
     if st.attempt > 1 or st.last_cause:
         info.add_row(
             "attempt", f"{st.attempt}" + (f"  (last ended: {st.last_cause})" if st.last_cause else "")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from testkit import RemoteFleet, TestHost
 
-pytestmark = pytest.mark.hosts
+pytestmark = [pytest.mark.hosts, pytest.mark.exclusive_host]
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "tests" / "shims" / "nvidia-smi"

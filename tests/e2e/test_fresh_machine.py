@@ -27,7 +27,7 @@ from testkit import TestHost
 
 from fleet.envs import controller_uv
 
-pytestmark = [pytest.mark.hosts, pytest.mark.slow]
+pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.own_container]
 
 FIRST = "./bootstrap && .venv/bin/fab deploy train"
 # The README's test command on the fast tier, without the torchrun jobs of test_topology.py (minutes

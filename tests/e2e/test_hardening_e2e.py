@@ -458,11 +458,7 @@ def test_stop_into_a_closed_pipe_is_quiet(remote_fleet: RemoteFleet) -> None:
     fleet = remote_fleet
     run_selftest(fleet, LONG_RUN)
     assert fleet.fab("deploy", "train", "--no-warm").returncode == 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(fleet.config))
-    stop = subprocess.Popen(
-        [str(testkit.FAB), "stop"], cwd=testkit.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    stop = testkit.fab_popen("stop", config=fleet.config, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert stop.stdout is not None and stop.stderr is not None
     stop.stdout.close()  # `fab stop | head -0`: the reader is gone before fab writes a byte
     stderr = stop.stderr.read().decode()
@@ -544,15 +540,8 @@ def test_concurrent_deploys_get_distinct_ids_and_prune_to_keep(
     shutil.copy(fleet.config, second_config)
     fleet.write(commands=fleet.defaults["commands"])
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(second_config))
-    late = subprocess.Popen(
-        [str(testkit.FAB), "deploy"],
-        cwd=testkit.REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    late = testkit.fab_popen(
+        "deploy", config=second_config, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         wait_for("the late deploy to reach its upload", waiting.exists, timeout=120)

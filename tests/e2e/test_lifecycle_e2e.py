@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -241,7 +242,8 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
     # for longer than stall_window_s) and finished; its URL token and header never leak.
     out = f"/tmp/{workdir.rsplit('/', 1)[-1]}-hook.jsonl"
     hook, port = start_hook(hosts, out)
-    token, bearer = "tok-5e1f0c9a", "hdr-8b2d77"
+    # random: another checkout's suite on this machine may run this test at the same time
+    token, bearer = f"tok-{uuid.uuid4().hex[:8]}", f"hdr-{uuid.uuid4().hex[:6]}"
     notify = {
         "url": f"http://127.0.0.1:{port}/hook/{token}",
         "headers": {"Authorization": f"Bearer {bearer}"},

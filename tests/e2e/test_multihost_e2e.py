@@ -102,7 +102,7 @@ class Wide:
         self.config.write_text("\n".join(lines) + "\n")
 
     def fab(self, *args: str, target: str = "wide", timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return testkit.run_fab(args, self.config, timeout=timeout, env={"FLEET_TARGET": target})
+        return testkit.fab(*args, config=self.config, timeout=timeout, env={"FLEET_TARGET": target})
 
     def read(self, name: str, path: str) -> str:
         result = ct(self.hosts, self.ids[name], "cat", "--", f"{self.workdirs[name]}/{path}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import selectors
 import shutil
@@ -401,14 +400,14 @@ def test_all_targets_read_only_in_parallel(remote_fleet: RemoteFleet, tmp_path: 
     config.write_text(helpers_module(fleet).render_inventory({"ct200": fleet.target, "down": down}, "ct200"))
     env = {"FLEET_TARGET": "all"}
 
-    logs = helpers_module(fleet).run_fab(["logs", "-n", "2"], config, env=env)
+    logs = helpers_module(fleet).fab("logs", "-n", "2", config=config, env=env)
     assert logs.returncode == 3, logs.stdout + logs.stderr
     assert "== ct200 " in logs.stdout and "step " in logs.stdout, logs.stdout
     assert "Traceback" not in logs.stderr
     errors = [line for line in logs.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "down" in errors[0] and "status: stopped" in errors[0], logs.stderr
 
-    refused = helpers_module(fleet).run_fab(["deploy"], config, env=env)
+    refused = helpers_module(fleet).fab("deploy", config=config, env=env)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "FLEET_TARGET=all" in one_line_error(refused)
     assert fleet.fab("stop").returncode == 0
@@ -419,12 +418,9 @@ def test_logs_follow_streams_and_stops_on_ctrl_c(remote_fleet: RemoteFleet) -> N
     fleet.write(run={"module": "training.selftest", "config": "selftest", "overrides": LONG_RUN, "env": {}})
     assert fleet.fab("deploy", "train").returncode == 0
     log = f"{fleet.workdir}/runs/{ct_readlink(hosts, f'{fleet.workdir}/runs/latest')}/train.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(fleet.config), PYTHONUNBUFFERED="1")
-    follow = subprocess.Popen(
-        [str(helpers_module(fleet).FAB), "logs", "-n", "1", "--follow"], cwd=helpers_module(fleet).REPO,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=testkit.ctrl_c_reaches_it,
+    follow = helpers_module(fleet).fab_popen(
+        "logs", "-n", "1", "--follow", config=fleet.config, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=testkit.ctrl_c_reaches_it,
     )  # fmt: skip
     try:
         seen = read_lines(follow, 3)  # new lines keep arriving

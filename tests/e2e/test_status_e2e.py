@@ -96,12 +96,12 @@ def test_all_targets_one_row_each(remote_fleet: RemoteFleet, tmp_path: Path) -> 
     second = dict(remote_fleet.target, workdir=remote_fleet.workdir)
     empty = dict(remote_fleet.target, workdir="/nonexistent-fleet-workdir")
     down = dict(remote_fleet.target, container={"type": "pct", "id": remote_fleet.hosts.stopped_ct_id})
-    from testkit import render_inventory, run_fab
+    from testkit import fab, render_inventory
 
     config = tmp_path / "all.toml"
     targets = {"a": remote_fleet.target, "b": second, "c": empty, "d": down}
     config.write_text(render_inventory(targets, "a"))
-    result = run_fab(["status", "--json"], config, env={"FLEET_TARGET": "all"}, timeout=90)
+    result = fab("status", "--json", config=config, env={"FLEET_TARGET": "all"}, timeout=90)
     assert "Traceback" not in result.stderr, result.stderr
     rows = json.loads(result.stdout)
     assert [r["target"] for r in rows] == ["a", "b", "c", "d"]

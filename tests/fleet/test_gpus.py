@@ -501,9 +501,11 @@ def local_inventory(tmp_path: Path) -> Path:
 
 
 def fab(config: Path, scenario_name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    from testkit import run_fab
+    from testkit import fab as run
 
-    return run_fab(args, config, timeout=120, env={"FLEET_NVSMI_FIXTURE_DIR": str(FIXTURES / scenario_name)})
+    return run(
+        *args, config=config, timeout=120, env={"FLEET_NVSMI_FIXTURE_DIR": str(FIXTURES / scenario_name)}
+    )
 
 
 def test_fab_gpus_exit_codes_and_json(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The inventory: valid files parse into the documented dataclasses; every mistake is one line.
 
-The error cases go through the real `fab` entry point (a subprocess, FLEET_CONFIG pointing at the
-bad file): exit code 2, one line on stderr naming the key, no traceback, nothing created.
+The error cases go through the real `fab` entry point (Fabric's program, in process; one of them
+also as the `fab` subprocess, which must say exactly the same), FLEET_CONFIG pointing at the bad
+file: exit code 2, one line on stderr naming the key, no traceback, nothing created.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import getpass
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import testkit
 
 from fleet.errors import ConfigError
 from fleet.inventory import (
@@ -26,7 +27,6 @@ from fleet.inventory import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-FAB = Path(sys.executable).parent / "fab"
 
 LOCAL = """
 default_target = "local"
@@ -55,11 +55,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def fab(config: Path, *args: str, target: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TARGET", "FLEET_CONFIG")}
-    env["FLEET_CONFIG"] = str(config)
-    if target is not None:
-        env["FLEET_TARGET"] = target
-    return subprocess.run([str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    """The real `fab` entry point, in process (the CLI itself: `test_the_cli_process_says_the_same`)."""
+    env = {"FLEET_TARGET": target} if target is not None else None
+    return testkit.fab(*args, config=config, env=env, in_process=True)
 
 
 # --- valid inventories -----------------------------------------------------------------------------
@@ -78,7 +76,7 @@ def test_full_inventory_parses_into_dataclasses(tmp_path: Path) -> None:
     assert local.commands == Commands()
     assert local.run == RunSpec()
     assert local.gpu_gate == GateSpec()
-    assert (local.keep_releases, local.stall_window_s) == (5, 600.0)
+    assert (local.keep_releases, local.stall_window_s, local.llamacpp) == (5, 600.0, "off")
     assert local.layout.current == f"{local.workdir}/current"
 
     pve = inv.targets["pve"]
@@ -190,6 +188,10 @@ BAD = {
     "wrong-type": (LOCAL + 'gpus = "8"\n', "targets.local.gpus must be an integer >= 0, not a string"),
     "bool-is-not-int": (LOCAL + "keep_releases = true\n", "targets.local.keep_releases must be an integer"),
     "negative": (LOCAL + "keep_releases = 0\n", "targets.local.keep_releases = 0 must be >= 1"),
+    "llamacpp-mode": (
+        LOCAL + 'llamacpp = "gpu"\n',
+        'targets.local.llamacpp = \'gpu\': use "off", "cpu" or "auto"',
+    ),
     "pct-id-not-numeric": (LOCAL + PVE.replace("id = 200", 'id = "ct200"'), "targets.pve.container.id"),
     "container-type": (LOCAL + PVE.replace('type = "pct"', 'type = "docker"'), "targets.pve.container.type"),
     "lxc-without-name": (LOCAL + PVE.replace('type = "pct", id = 200', 'type = "lxc"'), "container.name"),
@@ -210,6 +212,14 @@ BAD = {
         "run.env.TOKEN must be a string",
     ),
     "overrides": (LOCAL + "[targets.local.run]\noverrides = '--x=1'\n", "run.overrides must be a list"),
+    "overrides-200k": (
+        LOCAL + f"[targets.local.run]\noverrides = ['--x={'a' * 200_000}']\n",
+        "run.overrides are 200005 bytes in all",
+    ),
+    "notify-url-control": (
+        LOCAL + '[targets.local.notify]\nurl = "https://hooks.example/t0ken\\u0007"\n',
+        "notify.url must be an http:// or https:// URL of printable ASCII",
+    ),
     "default-target": (
         LOCAL.replace('"local"\n[', '"nope"\n[', 1),
         "default_target = 'nope' is not a target",
@@ -243,6 +253,20 @@ def test_bad_inventory_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     assert expected in lines[0]
     assert "s3" not in lines[0] or case != "env-value-nul"  # a run.env value is never shown
     assert not (tmp_path / "state").exists()  # validated before anything ran
+
+
+def test_the_cli_process_says_the_same(tmp_path: Path) -> None:
+    """The `fab` console script as a subprocess: the same exit code and output as in process."""
+    text, expected = BAD["topology-sum"]
+    config = write(tmp_path, text)
+    spawned = testkit.fab("status", config=config)
+    assert spawned.returncode == 2 and expected in spawned.stderr, spawned.stderr
+    in_process = fab(config, "status")
+    assert (spawned.returncode, spawned.stdout, spawned.stderr) == (
+        in_process.returncode,
+        in_process.stdout,
+        in_process.stderr,
+    )
 
 
 def test_unknown_fleet_target_and_all_for_a_changing_task(tmp_path: Path) -> None:

@@ -4,13 +4,12 @@ run is tests/e2e/test_multihost_e2e.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+import testkit
 
 from fleet.errors import ConfigError
 from fleet.inventory import Inventory, parse_inventory, select_run, select_targets
@@ -166,11 +165,7 @@ def test_targets_on_different_envs_are_refused() -> None:
 def test_fab_refuses_a_bad_run_with_exit_2(tmp_path: Path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text(HOSTS + WIDE.replace('"10.0.0.2"', '"10.0.0.0"'))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(path), FLEET_TARGET="wide")
-    result = subprocess.run(
-        [str(FAB), "stop"], env=env, capture_output=True, text=True, check=False, timeout=60
-    )
+    result = testkit.fab("stop", config=path, env={"FLEET_TARGET": "wide"}, in_process=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "sorted as text" in result.stderr
 

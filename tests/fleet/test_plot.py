@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fleet.errors import ConfigError, RunError
-from fleet.plot import HEIGHT_PX, WIDTH_PX, plot_log, plot_png, series_from_events
+from fleet.plot import HEIGHT_PX, WIDTH_PX, figure, plot_log, plot_png, series_from_events, smooth
 from training.contract import parse_events
 
 T0 = 1_764_460_000.0
@@ -44,7 +44,7 @@ def test_series_per_rank_drop_nan_and_keep_eval() -> None:
     events = [step_event(1), step_event(2, loss=math.nan), step_event(3), step_event(1, rank=1)]
     events.append({"event": "eval", "step": 3, "tau_mean": 2.0})
     data = series_from_events(events)
-    assert [s.label for s in data.loss] == ["rank 0 (drafter)", "rank 1 (drafter)"]
+    assert [s.label for s in data.loss] == ["drafter 0", "drafter 1"]  # words, not rank numbers
     assert data.loss[0].steps == (1, 3)  # the NaN loss is dropped, not plotted
     assert data.tau[0].steps == (1, 2, 3)
     assert data.eval_tau is not None and data.eval_tau.values == (2.0,)
@@ -80,3 +80,46 @@ def test_a_resumed_run_is_plotted_as_one_curve() -> None:
     data = series_from_events([*first, resume, *second])
     assert data.loss[0].steps == tuple(range(1, 11))
     assert data.loss[0].values == (9.0,) * 5 + (1.0,) * 5
+
+
+def test_smoothing_is_pandas_running_median() -> None:
+    """An independent implementation: pandas' centred rolling median."""
+    import random
+
+    import pandas as pd
+
+    rng = random.Random(0)
+    for window in (1, 2, 3, 4, 5):
+        for n in (1, 2, 3, 8):
+            values = [rng.uniform(0, 10) for _ in range(n)]
+            expected = pd.Series(values).rolling(window, center=True, min_periods=1).median().tolist()
+            assert smooth(values, window) == pytest.approx(expected)
+
+
+def test_the_first_steps_loss_does_not_squash_the_curve_and_the_axis_says_so() -> None:
+    """The smol run's shape: 69 nats at step 1, then 5-9: the axis spans the curve, not 69."""
+    losses = {1: 69.0, **{n: 6.0 + (n % 30) / 10 for n in range(10, 160, 10)}}
+    events = [{**step_event(n, loss=loss), "role": "single"} for n, loss in losses.items()]
+    data = series_from_events(events)
+    assert [s.label for s in data.loss] == ["training"]  # one process: no rank in sight
+    fig = figure(data, "t")
+    try:
+        ax = fig.axes[0]
+        low, high = ax.get_ylim()
+        assert high < 20 and low > 4  # the 5-9 curve fills the panel
+        assert "1 early point above, clipped" in ax.get_ylabel()
+        assert ax.get_legend() is None  # a single curve needs no legend
+    finally:
+        from matplotlib import pyplot as plt
+
+        plt.close(fig)
+
+
+def test_nothing_to_plot_yet_says_so(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    start = {"v": 1, "ts": T0, "event": "run_start", "rank": 0, "role": "single", "config": "smol-cpu",
+             "run_dir": str(run), "pid": 1, "host": "h", "world_size": 1, "device": "cpu"}  # fmt: skip
+    (run / "events.jsonl").write_text(json.dumps(start) + "\n")
+    with pytest.raises(RunError, match="nothing to plot yet: run run has logged no training step"):
+        plot_log(run, out=str(tmp_path / "p.png"))

@@ -5,6 +5,7 @@ tmux runs on a private server (the `local_tmux` fixture sets TMUX_TMPDIR), never
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import importlib.util
@@ -21,12 +22,12 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import pytest
-from testkit import ctrl_c_reaches_it, wait_for
+from testkit import argv_of, ctrl_c_reaches_it, descendants, kill_processes_naming, wait_for
 
 import training
 from fleet import deploy as d
 from fleet import remote, runs
-from fleet.errors import RunError
+from fleet.errors import FleetError, RunError
 from fleet.inventory import Commands, NotifySpec, RunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import LocalTarget, open_target
@@ -178,8 +179,13 @@ def target(tmp_path: Path, local_tmux: LocalTmux, python_shim: Path) -> Iterator
     )
     with open_target(spec) as t:
         assert isinstance(t, LocalTarget)
-        yield t
-        local_tmux.run("kill-session", "-t", f"={RUN_SESSION}", check=False)
+        try:
+            yield t
+        finally:  # pass or fail, no run outlives its test (a run survives its tmux server)
+            with contextlib.suppress(FleetError):
+                runs.stop_run(t, force=True, timeout_s=30)
+            local_tmux.run("kill-session", "-t", f"={RUN_SESSION}", check=False)
+            kill_processes_naming(spec.workdir)
 
 
 def test_start_refuse_status_stop_status(target: LocalTarget, local_tmux: LocalTmux) -> None:
@@ -278,7 +284,18 @@ def test_secrets_stay_out_of_argv_run_json_log_and_tmux(target: LocalTarget, loc
     seen = (run_dir / "secret.sha256").read_text().split()[0]
     assert seen == hashlib.sha256(SECRET.encode()).hexdigest()
     # ... but it is nowhere else: not in any process's argv, files of the run dir, or tmux's environment.
-    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
+    # The test's own processes (the run lives under the test's tmux server); other processes on
+    # this machine are not this test's business, and may well spell the same fixed string.
+    server = int(local_tmux.run("display-message", "-p", "#{pid}").stdout)
+    own = descendants(os.getpid(), server)
+    assert any(info.run_dir in argv_of(pid) for pid in own)  # the run is among them
+    ps = subprocess.run(
+        ["ps", "-ww", "-o", "args=", "-p", ",".join(map(str, own))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "training.selftest" in ps
     assert SECRET not in ps and "s3cr3t" not in ps
     assert not (run_dir / "run.env").exists()  # read by run.sh, then deleted
     for path in run_dir.rglob("*"):

@@ -159,6 +159,37 @@ def test_transitions_through_a_whole_run() -> None:
     assert (ended.eval_tau, ended.eval_tau_prompt) == (1.5, 1.25)
 
 
+def test_a_serve_bench_after_the_run_is_a_line_and_keeps_it_finished() -> None:
+    run = [
+        *START,
+        ev(1, "phase", phase="train"),
+        step(2, 1),
+        ev(3, "phase", phase="done"),
+        ev(4, "done", steps=1, seconds=1.0),
+    ]
+    bench = {
+        "step": 1,
+        "prompts": 16,
+        "backend": "cuda",
+        "draft_lengths": [0, 3, 15],
+        "tok_s": [400.0, 700.0, 650.0],
+        "mean_len": [1.0, 2.0, 2.3],
+        "accept_rate": [0.0, 0.33, 0.09],
+        "identical": [16, 16, 15],
+        "best_draft": 3,
+        "best_speedup": 1.75,
+        "engine_tau": 2.3,
+        "project_tau": 2.25,
+    }
+    st = status([*run, ev(5, "serve_bench", **bench)], RunFacts(alive=False, exit_code=0, now=T0 + 20))
+    assert st.state == "finished" and st.serve is not None
+    assert st.serve.text() == (
+        "llama.cpp cuda: 1.75x at draft 3 (400 -> 700 tok/s), 2.30 per round (eval tau 2.25), "
+        "greedy DIFFER on 16 prompts"
+    )
+    assert status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20)).serve is None
+
+
 def test_exit_codes_are_distinct_for_unhealthy_states() -> None:
     bad = [STATE_EXIT_CODES[s] for s in ("stopped", "stalled", "failed")]
     assert len(set(bad)) == 3 and 0 not in bad
@@ -475,7 +506,7 @@ def test_task_with_log_prints_json_and_returns_the_state_code(capsys: pytest.Cap
 
 def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path: Path) -> None:
     """deploy + train the selftest on the local target, then `fab status --json` until finished."""
-    from testkit import render_inventory, run_fab
+    from testkit import fab, render_inventory
 
     target = {
         "host": "local",
@@ -490,11 +521,11 @@ def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path
     config.write_text(render_inventory({"loc": target}, "loc"))
     env = {"TMUX_TMPDIR": str(local_tmux.socket_dir)}
     for args in (["deploy"], ["train"]):
-        result = run_fab(args, config, env=env)
+        result = fab(*args, config=config, env=env)
         assert result.returncode == 0, result.stderr
     seen: list[str] = []
     for _ in range(200):  # a generous bound on polls, not a timing
-        result = run_fab(["status", "--json"], config, env=env)
+        result = fab("status", "--json", config=config, env=env, in_process=True)  # polls: no start-up
         data = json.loads(result.stdout)
         seen.append(data["state"])
         if data["state"] == "finished":
@@ -502,7 +533,7 @@ def test_fab_status_on_the_local_target_with_real_tmux(local_tmux: Any, tmp_path
         time.sleep(0.3)
     assert seen[-1] == "finished" and result.returncode == 0
     assert data["step"] == 6 and data["run_id"] and data["release"]
-    text = run_fab(["status"], config, env=env)
+    text = fab("status", config=config, env=env)
     assert "finished" in text.stdout and "6/6" in text.stdout
 
 
@@ -572,11 +603,11 @@ def test_fab_status_log_alone_ending_in_a_fatal_error_is_failed(
     tmp_path: Path, log: str, signature: str
 ) -> None:
     """`fab status --log FILE`: no events, no process facts; a log whose tail is fatal has failed."""
-    from testkit import run_fab
+    from testkit import fab
 
     config = tmp_path / "fleet.toml"
     config.write_text('[targets.x]\nhost = "local"\nworkdir = "w"\n')
-    result = run_fab(["status", "--json", "--log", str(LOGS / log)], config)
+    result = fab("status", "--json", "--log", str(LOGS / log), config=config, in_process=True)
     assert result.returncode == 12, result.stdout + result.stderr
     data = json.loads(result.stdout)
     assert data["state"] == "failed" and [d["signature"] for d in data["diagnosis"]] == [signature]

@@ -82,6 +82,16 @@ def test_warm_resume_check_and_export() -> None:
     args, _ = parsed(trainer_cli.export(SPEC, "/r", "/r/export", None))
     assert (args.command, str(args.out), args.step) == ("export", "/r/export", None)
     assert parsed(trainer_cli.export(SPEC, "/r", "/o", 6))[0].step == 6  # type: ignore[attr-defined]
+    assert parsed(trainer_cli.export(SPEC, "/r", "/o", None, gguf=True))[0].gguf is True  # type: ignore[attr-defined]
+    args, _ = parsed(trainer_cli.serve_bench(SPEC, "/r", "3,7", 16))
+    assert (args.command, str(args.run_dir), args.draft_lengths, args.prompts) == (
+        "serve-bench",
+        "/r",
+        "3,7",
+        16,
+    )
+    args, _ = parsed(trainer_cli.serve_bench(SPEC, "/r", "", 0))
+    assert (args.draft_lengths, args.prompts) == ("", 0)
 
 
 def test_plan_and_always_the_run_module() -> None:

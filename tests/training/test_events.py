@@ -79,8 +79,9 @@ def test_unknown_events_and_extra_fields_are_allowed_nan_but_not_inf() -> None:
 
 def test_every_event_of_the_table_has_a_schema() -> None:
     expected = {
-        "run_start", "phase", "buckets", "load_progress", "step", "checkpoint",
-        "eval", "compile_cache", "balance", "error", "done", "target", "resume", "checkpoint_set_aside",
+        "run_start", "phase", "buckets", "load_progress", "progress", "step", "checkpoint",
+        "eval", "compile_cache", "balance", "error", "done", "target", "resume", "serve_bench",
+        "checkpoint_set_aside",
     }  # fmt: skip
     assert set(EVENT_FIELDS) == expected
     doc = (Path(__file__).resolve().parents[2] / "training" / "EVENTS.md").read_text()

@@ -1,17 +1,18 @@
-"""Training data: local JSONL/Parquet -> token ids + loss mask, cached by ``datasets``.
+"""Training data: local JSONL/JSON/Parquet or a ``save_to_disk`` folder -> token ids + loss mask,
+cached by ``datasets``.
 
-Two record shapes are accepted:
-  chat        ``{"messages": [{"role": ..., "content": ...}, ...]}`` — rendered with the
-              tokenizer's chat template when it has one; loss on assistant turns only.
-  completion  ``{"prompt": ..., "completion": ...}`` — prompt tokens, then completion tokens
-              and EOS; loss on the completion (and EOS) only.
-Tokenization runs through ``datasets.Dataset.map`` with its cache in the run's data cache
-folder, so a resumed run does not tokenize again. ``TrainData`` joins the tokenized set with
-the bucket planner (``training.data.buckets``) and assembles padded batches.
+The record formats are ``training.data.formats``': conversations (SpecForge's role/content,
+ShareGPT's from/value, ``messages``) rendered with the tokenizer's chat template, loss on the
+assistant turns only; pre-formatted ``text``, loss on the spans its template marks as the
+assistant's; ``prompt`` + ``completion``, loss on the completion (and EOS). Tokenization runs
+through ``datasets.Dataset.map``, its cache in the data cache folder keyed by the files' content,
+the tokenizer and the settings, so a resumed run does not tokenize again. ``TrainData`` joins the
+tokenized set with the bucket planner (``training.data.buckets``) and assembles padded batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,15 @@ import torch
 from training.config import ConfigError, DataSection
 from training.data.buckets import EpochPlanner, Position
 from training.data.corpus import build_default_corpus
+from training.data.formats import (
+    FORMATS,
+    keys_found,
+    locate,
+    record_format,
+    template_marks,
+    text_spans,
+    to_messages,
+)
 
 
 @dataclass(frozen=True)
@@ -103,32 +113,71 @@ def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[l
     return ids, mask
 
 
-def tokenize_record(record: dict[str, Any], tokenizer: Any, max_length: int) -> dict[str, Any]:
-    """One record -> {"input_ids", "loss_mask", "length"}, truncated to ``max_length``."""
-    if record.get("messages") is not None:
-        ids, mask = tokenize_chat(tokenizer, record["messages"])
-    elif record.get("prompt") is not None and record.get("completion") is not None:
+def tokenize_text(tokenizer: Any, text: str, marks: tuple[str, str]) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a pre-formatted text: mask 1 on the tokens that start inside an assistant
+    reply (``training.data.formats.text_spans``: after the header, through the end of turn)."""
+    spans = text_spans(text, *marks)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def tokenize_record(
+    record: dict[str, Any],
+    tokenizer: Any,
+    max_length: int,
+    reasoning: str = "keep",
+    marks: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """One record of any format (``training.data.formats``) -> {"input_ids", "loss_mask",
+    "length", "format", "dropped"}, truncated to ``max_length``. ``format`` is "" for a record that
+    fits none (the loader refuses the data set); ``dropped`` says why a record cannot train ("" if
+    it can): the loader leaves those out and the data report counts them."""
+    fmt = record_format(record)
+    if fmt is None:
+        return {"input_ids": [], "loss_mask": [], "length": 0, "format": "", "dropped": "no known format"}
+    if fmt == "completion":
         ids, mask = tokenize_completion(tokenizer, record["prompt"], record["completion"])
+    elif fmt == "text":
+        if marks is None:
+            raise ValueError("pre-formatted text needs the target's chat template; the tokenizer has none")
+        ids, mask = tokenize_text(tokenizer, record["text"], marks)
     else:
-        raise ValueError("record has neither 'messages' nor 'prompt' + 'completion'")
+        template = getattr(tokenizer, "chat_template", None) or ""
+        ids, mask = tokenize_chat(tokenizer, to_messages(record, fmt, reasoning, template))
+    labelled = any(mask)
     ids, mask = ids[:max_length], mask[:max_length]
-    return {"input_ids": ids, "loss_mask": mask, "length": len(ids)}
+    dropped = ""
+    if not labelled:
+        dropped = "no assistant reply"
+    elif not any(mask):
+        dropped = "reply beyond max_length"
+    elif len(ids) < 2:
+        dropped = "shorter than 2 tokens"
+    return {"input_ids": ids, "loss_mask": mask, "length": len(ids), "format": fmt, "dropped": dropped}
 
 
 def data_files(data: DataSection, cache_dir: Path) -> tuple[str, list[str]]:
-    """(datasets builder name, files) of the configured data, or the default corpus."""
+    """(reader, files) of the configured data, or the default corpus. The reader is a
+    ``datasets`` builder name ("json", "parquet") or "disk" (a ``save_to_disk`` folder)."""
     if not data.path:
         corpus = build_default_corpus(
             cache_dir, data.corpus_files, data.corpus_chunk_lines, data.corpus_prompt_lines
         )
         return "json", [str(corpus)]
     root = Path(data.path).expanduser()
+    saved = (root / "state.json").is_file() or (root / "dataset_dict.json").is_file()
+    if root.is_dir() and saved:  # a save_to_disk folder (a Dataset, or a DatasetDict: its train split)
+        return "disk", [str(root)]
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
     elif root.is_file():
         files = [root]
     else:
-        raise ConfigError(f"data.path {root} does not exist: give a local .jsonl/.parquet file or folder")
+        raise ConfigError(
+            f"data.path {root} does not exist: give a local .jsonl/.json/.parquet file, a folder of "
+            "them, or a datasets save_to_disk folder"
+        )
     if not files:
         raise ConfigError(f"data.path {root}: no .jsonl/.json/.parquet files in it")
     kinds = {"parquet" if p.suffix == ".parquet" else "json" for p in files}
@@ -137,33 +186,104 @@ def data_files(data: DataSection, cache_dir: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(p) for p in files]
 
 
-def load_tokenized(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache: Path):  # -> Dataset
-    """The tokenized data set (columns input_ids, loss_mask, length); cached in ``data_cache``."""
+def content_key(files: Sequence[str], *parts: str) -> str:
+    """sha256 over the bytes of the data files (a folder: its files, sorted) and ``parts``: the
+    tokenized cache is keyed by what the data says, not by where it lies or when it was written,
+    so a regenerated file that grows by a resume is tokenized again and an unchanged one is not."""
+    digest = hashlib.sha256()
+    for name in files:
+        path = Path(name)
+        members = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for member in members:
+            digest.update(member.name.encode() + b"\0")
+            with open(member, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _read(reader: str, files: list[str], data_cache: Path, where: str):  # -> Dataset
     import datasets
 
-    builder, files = data_files(data, cache_dir)
     datasets.disable_progress_bars()
     try:
-        raw = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(data_cache))
-    except (ValueError, OSError) as exc:
+        if reader == "disk":
+            loaded = datasets.load_from_disk(files[0])
+            if isinstance(loaded, datasets.DatasetDict):
+                if "train" not in loaded:
+                    raise ValueError(f"a DatasetDict without a 'train' split (splits {sorted(loaded)})")
+                loaded = loaded["train"]
+            return loaded
+        return datasets.load_dataset(reader, data_files=files, split="train", cache_dir=str(data_cache))
+    except (ValueError, OSError, TypeError) as exc:
+        raise ConfigError(f"data.path {where}: cannot read ({str(exc).splitlines()[0]:.160})") from None
+
+
+def tokenize_all(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache: Path):  # -> (Dataset, str)
+    """Every record tokenized (dropped ones included, with their reason) and the data set's one
+    format. Refused (``ConfigError``, one line): a record of no known format (its file, line and
+    keys), records of two formats, a format other than ``data.format``."""
+    from datasets.fingerprint import Hasher
+
+    reader, files = data_files(data, cache_dir)
+    where = data.path or files[0]
+    raw = _read(reader, files, data_cache, where)
+    template = getattr(tokenizer, "chat_template", None)
+    marks = None
+    if template and isinstance(template, str):
+        try:
+            marks = template_marks(tokenizer)
+        except Exception:  # a template that cannot render the probe: only text records need it
+            marks = None
+    if len(raw) and record_format(raw[0]) == "text" and marks is None:
         raise ConfigError(
-            f"data.path {data.path or files[0]}: cannot read ({str(exc).splitlines()[0]:.160})"
-        ) from None
-    columns = set(raw.column_names)
-    if "messages" not in columns and not {"prompt", "completion"} <= columns:
-        raise ConfigError(
-            f"data.path {data.path or files[0]}: records need 'messages' or 'prompt' + 'completion'; "
-            f"found columns {sorted(columns)}"
+            f"data.path {where}: pre-formatted text records need the target's chat template to find "
+            "the assistant replies; the tokenizer has none (use conversations records instead)"
         )
+    key = content_key(files, Hasher.hash(tokenizer), str(data.max_length), data.reasoning, "records-v2")
     tokenized = raw.map(
         tokenize_record,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": data.max_length},
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_length": data.max_length,
+            "reasoning": data.reasoning,
+            "marks": marks,
+        },
         remove_columns=raw.column_names,
         num_proc=data.num_proc if data.num_proc > 1 else None,
+        new_fingerprint=key,
         desc="tokenizing",
     )
-    # Drop what cannot train: too short to hold an anchor and a label, or nothing labelled.
-    return tokenized.filter(lambda row: row["length"] >= 2 and any(row["loss_mask"]))
+    formats = tokenized["format"]
+    first = formats[0] if formats else ""
+    for index, fmt in enumerate(formats):
+        if not fmt:
+            raise ConfigError(
+                f"data {locate(files, index)}: a record of no known format (keys found: "
+                f"{', '.join(keys_found(raw[index])) or 'none'}); expected one of "
+                f'{", ".join(FORMATS)} (docs/DESIGN.md "Training data")'
+            )
+        if fmt != first:
+            raise ConfigError(
+                f"data {locate(files, index)}: a {fmt} record after {first} records "
+                f"({locate(files, 0)}); a data set of mixed formats is refused: convert it to one format"
+            )
+    if data.format != "auto" and first and first != data.format:
+        raise ConfigError(
+            f"data.path {where}: the records are {first}, but data.format = {data.format!r}; "
+            "set data.format = 'auto' or give data of that format"
+        )
+    return tokenized, first
+
+
+def load_tokenized(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache: Path):  # -> Dataset
+    """The trainable tokenized records (columns input_ids, loss_mask, length), cached in ``data_cache``."""
+    tokenized, _fmt = tokenize_all(data, tokenizer, cache_dir, data_cache)
+    kept = f"{tokenized._fingerprint}-kept"
+    trainable = tokenized.filter(lambda row: not row["dropped"], new_fingerprint=kept)
+    return trainable.remove_columns(["format", "dropped"])
 
 
 class TrainData:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from training.data.corpus import CORPUS_SHA256, shipped_sources
+from training.progress import Progress
 
 _MAX_DOC = 160  # characters of a docstring's first line in a prompt
 _MAX_LINES = 12  # lines of a function shown in an "explain" prompt
@@ -87,6 +88,20 @@ def regen_key(model_id: str, prompts: list[str], max_new_tokens: int, batch_size
     return digest.hexdigest()[:12]
 
 
+def regen_path(
+    cache_dir: Path, model_id: str, prompts: list[str], max_new_tokens: int, batch_size: int, dtype: str
+) -> Path:
+    """Where the in-process regenerated set of these settings is (or will be) kept."""
+    return (
+        cache_dir / "regen" / f"regen-{regen_key(model_id, prompts, max_new_tokens, batch_size, dtype)}.jsonl"
+    )
+
+
+def server_regen_folder(cache_dir: Path, model_id: str, prompts: list[str], max_new_tokens: int) -> Path:
+    """Where the set regenerated through servers is kept (``regen.jsonl``, ``complete`` when whole)."""
+    return cache_dir / "regen" / f"server-{regen_key(model_id, prompts, max_new_tokens, 0, 'server')}"
+
+
 def generate_completions(
     model: Any,
     tokenizer: Any,
@@ -95,8 +110,24 @@ def generate_completions(
     batch_size: int,
     progress: Callable[[int], None] = lambda _done: None,
 ) -> list[str]:
-    """The target's greedy reply to each prompt (a user turn, rendered with its chat template)."""
+    """The target's greedy reply to each prompt (a user turn, rendered with its chat template).
+
+    ``progress(units)``: called after every generated token, cumulative, each prompt counting
+    ``max_new_tokens`` units (a reply that ends early at its EOS completes its share when its
+    batch ends), so the total is ``len(prompts) * max_new_tokens`` before anything is generated."""
     import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Tokens(StoppingCriteria):
+        """Never stops generation; reports the batch's generated tokens after each one."""
+
+        def __init__(self, base: int, rows: int, prompt_len: int) -> None:
+            self.base, self.rows, self.prompt_len = base, rows, prompt_len
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_kw: object) -> torch.Tensor:
+            new = min(input_ids.shape[1] - self.prompt_len, max_new_tokens)
+            progress(self.base + self.rows * new)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
@@ -115,6 +146,7 @@ def generate_completions(
                 for p in prompts[start : start + batch_size]
             ]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            counter = _Tokens(len(replies) * max_new_tokens, len(texts), enc["input_ids"].shape[1])
             with torch.no_grad():
                 out = model.generate(
                     **enc,
@@ -122,12 +154,13 @@ def generate_completions(
                     do_sample=False,
                     eos_token_id=eos,
                     pad_token_id=pad,
+                    stopping_criteria=StoppingCriteriaList([counter]),
                 )
             for row in out[:, enc["input_ids"].shape[1] :].tolist():
                 if eos in row:
                     row = row[: row.index(eos)]
                 replies.append(tokenizer.decode(row, skip_special_tokens=True))
-            progress(len(replies))
+            progress(len(replies) * max_new_tokens)
     finally:
         tokenizer.padding_side = side
         if pad_token is None:
@@ -146,30 +179,92 @@ def regenerated_data(
     dtype: str,
     echo: Callable[[str], None] = print,
 ) -> Path:
-    """The JSONL of the regenerated set (built once: ``load()`` gives (model, tokenizer))."""
+    """The JSONL of the regenerated set (built once: ``load()`` gives (model, tokenizer)); its
+    progress in tokens (``training.progress``)."""
     prompts = shipped_prompts(count)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
-    key = regen_key(model_id, prompts, max_new_tokens, batch_size, dtype)
-    path = cache_dir / "regen" / f"regen-{key}.jsonl"
+    path = regen_path(cache_dir, model_id, prompts, max_new_tokens, batch_size, dtype)
     if path.is_file():
         return path
-    model, tokenizer = load()
+    with Progress("load_data", "loading the target to regenerate the data", 1, "models"):
+        model, tokenizer = load()
     echo(f"Regenerating the data: {len(prompts)} prompts, greedy replies of <= {max_new_tokens} tokens")
     started = time.monotonic()
-
-    def progress(done: int) -> None:
-        echo(f"  {done}/{len(prompts)} replies ({time.monotonic() - started:.0f}s)")
-
-    replies = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
+    what = f"regenerating the data ({len(prompts)} greedy replies)"
+    with Progress("load_data", what, len(prompts) * max_new_tokens, "tokens", echo=echo) as progress:
+        replies = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, progress.update)
     echo(f"  generated in {time.monotonic() - started:.1f}s -> {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for prompt, reply in zip(prompts, replies, strict=True):
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-            handle.write(json.dumps({"messages": messages}) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for prompt, reply in zip(prompts, replies, strict=True):
+                messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+                handle.write(json.dumps({"messages": messages}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    finally:  # a stop or an error while writing leaves no temp file
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def server_regenerated_data(
+    cache_dir: Path,
+    model_id: str,
+    *,
+    count: int,
+    max_new_tokens: int,
+    servers: str,
+    concurrency: int,
+    echo: Callable[[str], None] = print,
+) -> Path:
+    """The regenerated set written by OpenAI-compatible servers of the target
+    (``training.data.engine_regen``): the same shipped prompts, greedy replies of at most
+    ``max_new_tokens`` tokens, as SpecForge conversations. Kept under the cache root keyed on the
+    model and the prompts; an interrupted or failed regeneration resumes with what is done, and the
+    file is used once every prompt has a reply."""
+    from training.data.engine_regen import RegenError, RegenSettings, regenerate_file
+
+    prompts = shipped_prompts(count)
+    if not prompts:
+        raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
+    folder = server_regen_folder(cache_dir, model_id, prompts, max_new_tokens)
+    output, complete = folder / "regen.jsonl", folder / "complete"
+    if complete.is_file():
+        return output
+    folder.mkdir(parents=True, exist_ok=True)
+    inputs = folder / "prompts.jsonl"
+    if not inputs.is_file():
+        tmp = folder / f".prompts.{os.getpid()}.tmp"
+        tmp.write_text(
+            "".join(
+                json.dumps({"id": f"p{i}", "conversations": [{"role": "user", "content": p}]}) + "\n"
+                for i, p in enumerate(prompts)
+            ),
+            encoding="utf-8",
+        )
+        tmp.replace(inputs)
+    addresses = tuple(a.strip() for a in servers.replace(" ", ",").split(",") if a.strip())
+    where = ", ".join(addresses)
+    echo(f"Regenerating the data through {where}: {len(prompts)} prompts, <= {max_new_tokens} tokens")
+    settings = RegenSettings(
+        servers=addresses,
+        max_tokens=max_new_tokens,
+        temperature=0.0,
+        concurrency=concurrency,
+        retries=3,
+        retry_errors=True,
+    )
+    result = regenerate_file(inputs, output, settings, quiet=True)
+    echo(result.text())
+    if result.error or result.skipped or not result.balanced:
+        error_path = output.with_name("regen_error.jsonl")
+        raise RegenError(
+            f"data.regen_servers: {result.error} of {result.input_records} prompts failed "
+            f"({', '.join(sorted(result.errors_by_kind)) or 'see the files'}; {error_path}); the "
+            f"{result.success} replies are kept: fix the servers and start again (failed ones are retried)"
+        )
+    complete.write_text(f"{result.success}\n", encoding="utf-8")
+    return output

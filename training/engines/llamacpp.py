@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from training.config import TrainingError
+from training.contract import LLAMACPP_CACHE_ENV, LLAMACPP_SDIST_ENV
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ PIN = Pin(
     subdir="llama.cpp",
 )
 TARGETS = ("llama-server", "llama-speculative-simple", "llama-cli")
-SDIST_ENV = "FLEET_LLAMACPP_SDIST"
-CACHE_ENV = "FLEET_LLAMACPP_CACHE"
+SDIST_ENV = LLAMACPP_SDIST_ENV
+CACHE_ENV = LLAMACPP_CACHE_ENV
 DEFAULT_CACHE = Path("~/.cache/fleet-llama.cpp")
 MANIFEST = "build.json"
 # Not needed to build or convert, and most of the tree's size (vocab test files, docs).
@@ -340,8 +341,9 @@ def ensure_llamacpp(
         if (root / MANIFEST).is_file():  # another process built it while we waited
             return _as_build(root, pin)
         source = fetch_sdist(cache_root, pin, sdist, log)
+        for stale in cache_root.glob(f".{key}.*.tmp"):  # a killed build's leftovers (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = cache_root / f".{key}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             started = time.monotonic()
             _extract(source, pin, tmp / "src")

@@ -42,11 +42,12 @@ plain autograd tensor ops that score each block against the context [Q x T] and 
 its own block [B x B] only (never the block-to-block [Q x Q] part), one joint softmax;
 ``dense`` — SDPA with the full boolean mask (test reference). ``auto`` = flex on CUDA,
 blockwise on CPU: torch 2.13 has no flex backward on CPU at all ("FlexAttention does not
-support backward on CPU", eager and compiled), and compiling ``create_block_mask`` with
+support backward on CPU", eager and compiled), and compiling the block-mask builder with
 the CPU inductor took 26 s (flex forward 4.4 s more) for one tiny shape on the 2-core dev
 machine. CPU flex is still run forward-only by the tests, against the dense reference.
 
-Compilation. On CUDA ``create_block_mask`` and ``flex_attention`` always run compiled:
+Compilation. On CUDA the block-mask builder (``build_block_mask``: its tile maps; the sort
+stays eager) and ``flex_attention`` always run compiled:
 the eager flex path materializes the whole [Q x KV] score matrix (hundreds of GB at real
 shapes), so ``flex_attend`` raises instead of ever running it uncompiled on a GPU.
 ``configure_compile`` sets Dynamo's recompile limit from the number of length buckets and
@@ -62,7 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # Compiled callables, built lazily once per process (torch.compile is cheap until first call).
 _COMPILED: dict[str, Callable[..., Any]] = {}
@@ -160,26 +161,65 @@ def build_block_mask(
     *,
     tile: int = 128,
 ) -> BlockMask:
-    """The flex ``BlockMask`` for ``anchors`` [B, K] (-1 padded); compiled off-CPU.
+    """The flex ``BlockMask`` for ``anchors`` [B, K] (-1 padded).
 
     ``tile`` is flex's BLOCK_SIZE (the sparsity granularity), not the DFlash block size. The mask
-    depends on the anchors, so it is built every step; what is kept is the compiled builder (one
-    ``torch.compile(create_block_mask)`` per process, whose graphs Dynamo caches per shape), not a
-    new wrapper per call as ``create_block_mask(_compile=True)`` makes (and warns about).
+    depends on the anchors, so it is built every step, in two parts: ``tile_maps`` (the mask rule
+    evaluated at every position and reduced to which tiles are partly / wholly visible: the
+    work, compiled off-CPU) and the ordering of those tiles into flex's index lists (a sort over
+    a few thousand entries, eager). This is what ``create_block_mask`` computes
+    (``torch/nn/attention/flex_attention.py``: ``create_mask``, ``_convert_mask_to_block_mask``,
+    ``_dense_to_ordered``, ``BlockMask.from_kv_blocks``), split so the sort is never compiled:
+    compiled whole, inductor fuses that sort into a Triton reduction whose compile took 135-142 s
+    of a 210 s cold start on an H200 (torch 2.11; later torch versions keep that sort eager too).
     """
     bsz, k = anchors.shape
     q_len = k * block_size
     kv_len = int(context_len) + q_len
     mask_mod = make_mask_mod(anchors, context_len, block_size, window)
-    build = _compiled_block_mask() if _use_compiled(anchors.device) else create_block_mask
-    return build(mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile)
+    maps = _compiled_tile_maps() if _use_compiled(anchors.device) else tile_maps
+    partial, full = maps(mask_mod, bsz, q_len, kv_len, tile, anchors.device)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
 
 
-def _compiled_block_mask() -> Callable[..., Any]:
-    fn = _COMPILED.get("block_mask")
+def tile_maps(
+    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    bsz: int,
+    q_len: int,
+    kv_len: int,
+    tile: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """(partial, full): [B, 1, ceil(Q/tile), ceil(KV/tile)] bool, the tiles where ``mask_mod``
+    holds somewhere but not everywhere / everywhere. Positions past ``q_len`` / ``kv_len`` (the
+    last tiles' padding) count as masked, as in ``create_block_mask``."""
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    b = torch.arange(bsz, device=device)[:, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    q = torch.arange(q_tiles * tile, device=device)[None, None, :, None]
+    kv = torch.arange(kv_tiles * tile, device=device)[None, None, None, :]
+    visible = mask_mod(b, h, q, kv) & (q < q_len) & (kv < kv_len)
+    counts = visible.view(bsz, 1, q_tiles, tile, kv_tiles, tile).sum(dim=(3, 5))
+    return (counts > 0) & (counts < tile * tile), counts == tile * tile
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """A row-wise tile map -> (count per row, the set tiles' column indices first): int32, as
+    flex's ``_dense_to_ordered`` (a stable sort keeps the indices ascending)."""
+    num = tiles.sum(dim=-1, dtype=torch.int32)
+    idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+def _compiled_tile_maps() -> Callable[..., Any]:
+    fn = _COMPILED.get("tile_maps")
     if fn is None:
-        fn = torch.compile(create_block_mask)  # as create_block_mask(_compile=True) compiles it
-        _COMPILED["block_mask"] = fn
+        fn = torch.compile(tile_maps, dynamic=False)
+        _COMPILED["tile_maps"] = fn
     return fn
 
 

@@ -83,16 +83,24 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from training.progress import Progress
+
     where = {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **where)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **where)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    if MASK_TOKEN not in tokenizer.get_vocab():
-        raise ConfigError(f"{gguf}: the tokenizer has no {MASK_TOKEN} token to reserve as MASK: {_FIX}")
-    tokenizer.mask_token = MASK_TOKEN
-    return save_model_folder(folder, plain, tokenizer)
+    # Stages, not tensors: transformers de-quantizes the GGUF inside one from_pretrained call.
+    what = "converting SmolLM2's GGUF into a model folder (once)"
+    with Progress("load_data", what, 4, "stages") as progress:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **where)
+        progress.advance()
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **where)
+        progress.advance()
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        progress.advance()
+        if MASK_TOKEN not in tokenizer.get_vocab():
+            raise ConfigError(f"{gguf}: the tokenizer has no {MASK_TOKEN} token to reserve as MASK: {_FIX}")
+        tokenizer.mask_token = MASK_TOKEN
+        return save_model_folder(folder, plain, tokenizer)

@@ -276,8 +276,12 @@ def save_model_folder(folder: Path, model: Any, tokenizer: Any) -> Path:
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:  # a stop or an error while saving leaves no temp dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(folder)
     except OSError:

@@ -65,6 +65,7 @@ from training.model.target import (
     resolve_dtype,
     text_config,
 )
+from training.progress import Progress
 from training.wandb_logger import MetricsLogger
 
 Echo = Callable[[str], None]
@@ -336,13 +337,23 @@ def data_cache_dir(config: RunConfig, default: Path) -> Path:
 def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Path:
     """The JSONL of ``data.regenerate``: shipped prompts, the target's greedy replies
     (``training.data.regen``), generated once per (model, prompts, settings) into the cache root."""
-    from training.data.regen import regenerated_data
+    from training.data.regen import regenerated_data, server_regenerated_data
 
     folder, _tok_dir = model_source(config)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
     try:
+        if config.data.regen_servers:
+            return server_regenerated_data(
+                default_cache_dir(config.model.cache_dir),
+                model_id,
+                count=config.data.regen_prompts,
+                max_new_tokens=config.data.regen_max_new_tokens,
+                servers=config.data.regen_servers,
+                concurrency=config.data.regen_concurrency,
+                echo=echo,
+            )
         return regenerated_data(
             default_cache_dir(config.model.cache_dir),
             model_id,
@@ -357,17 +368,63 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
         raise ConfigError(f"config key {exc}") from None
 
 
+def planned_regen_file(config: RunConfig) -> Path:
+    """The file ``data.regenerate`` trains on (it may not be generated yet), without building it."""
+    from training.data.regen import regen_path, server_regen_folder, shipped_prompts
+
+    folder, _tok_dir = model_source(config)
+    model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
+    cache = default_cache_dir(config.model.cache_dir)
+    prompts = shipped_prompts(config.data.regen_prompts)
+    if config.data.regen_servers:
+        found = server_regen_folder(cache, model_id, prompts, config.data.regen_max_new_tokens)
+        return found / "regen.jsonl" if (found / "complete").is_file() else found / "missing"
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    return regen_path(
+        cache,
+        model_id,
+        prompts,
+        config.data.regen_max_new_tokens,
+        config.data.regen_batch_size,
+        f"{device.type}-{dtype}",
+    )
+
+
+def data_report(config: RunConfig, tokenizer: Any, default_cache: Path):  # -> DataReport
+    """``python -m training data``: the report of the data this config trains on."""
+    from training.data.report import DataReport, build_report
+
+    data = config.data
+    if data.regenerate and not data.path:
+        path = planned_regen_file(config)
+        if not path.is_file():
+            where = data.regen_servers or "the target in the run's process"
+            note = (
+                f"data.regenerate: {data.regen_prompts} prompts, replies of <= {data.regen_max_new_tokens} "
+                f"tokens written by {where} at the run's start; run the report again after that"
+            )
+            return DataReport("regenerated (not yet)", "", 0, 0, 0, 0, 0, {}, [], None, note=note)
+        config = replace(config, data=replace(data, path=str(path)))
+    report = build_report(
+        config, tokenizer, default_cache_dir(config.model.cache_dir), data_cache_dir(config, default_cache)
+    )
+    return report
+
+
 def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo: Echo = print) -> TrainData:
     """The run's tokenized data (cached in ``data_cache_dir``) with its bucket planner."""
     data = config.data
     if data.regenerate and not data.path:
         data = replace(data, path=str(regenerate_data(config, tokenizer, echo)))
-    tokenized = load_tokenized(
-        data,
-        tokenizer,
-        default_cache_dir(config.model.cache_dir),
-        data_cache_dir(config, default_cache),
-    )
+    # One unit: datasets tokenizes (or finds its cached copy) in one call; the events say it lives.
+    with Progress("load_data", "tokenizing the data", 1, "data sets"):
+        tokenized = load_tokenized(
+            data,
+            tokenizer,
+            default_cache_dir(config.model.cache_dir),
+            data_cache_dir(config, default_cache),
+        )
     return TrainData(tokenized, data)
 
 
@@ -409,7 +466,8 @@ def load_run_target(
     started = time.monotonic()
     if events is not None:
         events.emit("load_progress", what="target", done=0, total=1, seconds=0.0)
-    target = load_model(config, folder)
+    with Progress("load_target", "loading the target", 1, "models"):
+        target = load_model(config, folder)
     check_vocab(target, tokenizer)
     seconds = time.monotonic() - started
     if events is not None:

@@ -51,6 +51,7 @@ from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
 from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
+from training.progress import report_to
 from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite, check_resumable
 from training.run.pipeline import (
@@ -93,6 +94,7 @@ class Worker:
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.timeout_s = config.pipeline.timeout_s
         self.start_step = 0  # the step the run continues from: drafter 0's (``agree_start``)
+        report_to(events, _say if ctx.rank == 0 else None)  # the long phases' progress events
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
 

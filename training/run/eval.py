@@ -30,7 +30,7 @@ prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,11 +102,14 @@ def evaluate_acceptance(
     max_new_tokens: int,
     *,
     eos_token_id: int | None = None,
+    progress: Callable[[int], None] = lambda _done: None,
 ) -> AcceptanceResult:
     """Mean real acceptance length of ``drafter`` against the greedy ``target`` (module docstring).
 
     ``target``: a transformers causal LM (``output_hidden_states`` supported), in eval mode.
     ``target_layer_ids``: the layers the drafter was trained on (``drafter.target_layer_ids``).
+    ``progress(units)``: after every round, cumulative, each prompt counting ``max_new_tokens``
+    units (one that ends early at EOS completes its share), of ``len(prompts) * max_new_tokens``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"evaluate_acceptance: max_new_tokens={max_new_tokens} must be >= 1")
@@ -120,7 +123,8 @@ def evaluate_acceptance(
     drafter.eval()
     try:
         dev = _device_of(target)
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
+            progress(index * max_new_tokens)
             prefix = torch.tensor(prompt, dtype=torch.long, device=dev)
             greedy, hidden = _target_pass(target, prefix, target_layer_ids)
             anchor = greedy[-1]
@@ -135,6 +139,7 @@ def evaluate_acceptance(
                 hist[tau - 1] += 1
                 taus.append(tau)
                 produced += tau
+                progress(index * max_new_tokens + min(produced, max_new_tokens))
                 emitted = prefix[-(tau - 1) :] if tau > 1 else prefix[:0]
                 if eos_token_id is not None and (
                     int(anchor.item()) == eos_token_id or bool((emitted == eos_token_id).any())
@@ -142,6 +147,7 @@ def evaluate_acceptance(
                     break
             new_tokens += produced
             per_prompt.append(sum(taus) / len(taus))
+        progress(len(prompts) * max_new_tokens)
     finally:
         drafter.train(was_training)
     rounds = sum(hist)

@@ -7,8 +7,11 @@ from a generator seeded by the batch's data position, so a resumed run draws exa
 anchors the uninterrupted one would.
 
 Resume is automatic: a run dir that holds checkpoints continues from the newest one
-(model, optimizer, scheduler, data position, RNG). SIGTERM/SIGINT finish the current
-step, checkpoint, emit ``phase: stopped`` and return normally (exit 0).
+(model, optimizer, scheduler, data position, RNG). SIGTERM/SIGINT during training finish the
+current step, checkpoint, emit ``phase: stopped`` and return normally (exit 0); in any other phase
+(data, target loading, compile, eval) they stop it at once (``training.progress``), checkpoint
+when a step was trained since the last checkpoint (an eval after a step), and say what a resume
+will find (``phase: stopped`` with ``during`` and ``resume_step``), exit 0 too.
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ import signal
 import socket
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 
-from training.config import RunConfig, load_config, write_config
+from training.config import RunConfig, load_config, with_loaded_shape, write_config
 from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
 from training.data.dataset import Batch
@@ -35,7 +37,9 @@ from training.model.target import (
     num_layers,
     resolve_device,
     target_forward,
+    text_config,
 )
+from training.progress import Progress, StopRequested, StopSignals, report_to
 from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite
 from training.run.eval import evaluate_acceptance
@@ -54,10 +58,11 @@ class Trainer:
         self.step = 0
         self.position = Position()
         self.last_tau = 1.0
-        self._stop_signal: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
+        self.signals = StopSignals(self._on_signal)
+        self.phase = "load_data"  # the phase a stop signal interrupts
         self.eval_only = eval_only
         self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
+        self.target_s = 0.0  # the last step's target forward, with hidden_cache
         # checkpoints written in the background: training goes on while one is written
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -70,8 +75,10 @@ class Trainer:
         core.set_threads(config)
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
+            report_to(None, print0)
             self.checkpoints.check(verify=True)  # the newest checkpoint that passes its check
             return
+        report_to(self.events, print0)
         self.checkpoints.check()  # before config.json is written: a changed config is refused
         self.logger, logger_line = make_logger(config, self.run_dir)
         write_config(config, self.run_dir)
@@ -85,11 +92,12 @@ class Trainer:
         )
         print0(f"run {self.run_dir} config={config.name} device={self.device}")
         print0(logger_line)
-        self._install_signals()  # a SIGTERM while loading stops cleanly before the first step
+        self.signals.install()  # a SIGTERM while loading stops cleanly before the first step
 
     # ----------------------------------------------------------------- setup
     def _phase(self, phase: str) -> None:
         """A phase event; an eval-only process reports only its ``eval`` phase."""
+        self.phase = phase
         if not self.eval_only:
             self.events.phase(phase)
 
@@ -108,6 +116,8 @@ class Trainer:
             cfg, folder, self.tokenizer, None if self.eval_only else self.events
         )
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
+        if not self.eval_only:  # config.json: the target's shape as loaded, not [model]'s defaults
+            write_config(with_loaded_shape(cfg, text_config(self.target)), self.run_dir)
 
         self._phase("load_drafter")
         self.drafter = core.build_drafter(cfg, self.target, self.device, self.tokenizer)
@@ -159,20 +169,12 @@ class Trainer:
             print0(f"Resumed from {resumed.path} at step {self.step}, next batch {self.position}")
 
     # ----------------------------------------------------------------- loop
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self._stop_signal = signum
-        print0(f"signal {signal.Signals(signum).name}: finishing the step, then checkpoint and stop")
-
-    def _install_signals(self) -> None:
-        """SIGTERM/SIGINT only set a flag; the loop stops at the next step boundary."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if signum not in self._previous_handlers:
-                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
-
-    def _restore_signals(self) -> None:
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.phase == "train":
+            print0(f"signal {name}: finishing the step, then checkpoint and stop")
+        else:
+            print0(f"signal {name}: stopping {self.phase} now")
 
     def next_batch(self) -> Batch:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -187,7 +189,11 @@ class Trainer:
         # meanwhile.
         anchors = core.batch_anchors(self.config, batch.loss_mask, batch.lengths, batch.position)
         if self.hidden_cache is not None:
+            # timed for the ETA: the epochs after the first read the cache and skip this cost (the
+            # cache's copy to the CPU waits for the forward, so the time is real on a GPU too)
+            started = time.monotonic()
             hidden = self.hidden_cache.forward(self.target, ids, batch.lengths, self.layer_ids)
+            self.target_s = time.monotonic() - started
         else:
             hidden = target_forward(self.target, ids, self.layer_ids)
         return self.drafter_step(ids, mask, hidden, anchors.to(self.device, non_blocking=True))
@@ -217,22 +223,33 @@ class Trainer:
             config=self.config,
         )
 
+    def checkpoint(self) -> None:
+        self.checkpoints.save(self.step)
+
+    def report_checkpoints(self, *, wait: bool = False) -> None:
+        """The ``checkpoint`` events of the background writes that finished (``wait``: all)."""
+        self.checkpoints.report(wait=wait)
+
     def evaluate(self) -> None:
         cfg = self.config.eval
         prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts)
         if not prompts:
             print0("eval: no held-out prompts, skipped")
             return
+        self.phase = "eval"
         self.events.phase("eval")
         t0 = time.monotonic()
-        result = evaluate_acceptance(
-            self.target,
-            self.drafter,
-            prompts,
-            self.layer_ids,
-            cfg.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
+        what, total = f"evaluating acceptance ({len(prompts)} prompts)", len(prompts) * cfg.max_new_tokens
+        with self.signals.anywhere(), Progress("eval", what, total, "tokens") as p:
+            result = evaluate_acceptance(
+                self.target,
+                self.drafter,
+                prompts,
+                self.layer_ids,
+                cfg.max_new_tokens,
+                eos_token_id=self.tokenizer.eos_token_id,
+                progress=p.update,
+            )
         self.events.emit(
             "eval",
             step=self.step,
@@ -252,6 +269,7 @@ class Trainer:
 
     def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
         shape = core.batch_shape(batch.input_ids, batch.lengths)
+        cached = {"target_s": self.target_s} if self.hidden_cache is not None else {}
         core.report_step(
             self.events,
             result,
@@ -264,58 +282,93 @@ class Trainer:
             logger=self.logger,
             **shape,
             step_s=seconds,
+            **cached,
         )
 
     def train(self) -> int:
         """Train to ``train.steps``; returns the steps done. Emits done/stopped."""
         cfg = self.config
-        self._install_signals()  # already installed by __init__ unless train() runs again
+        self.signals.install()  # already installed by __init__ unless train() runs again
+        last_saved = self.step
+        first = True
         try:
-            self.events.phase("train")
+            self._phase("train")
             while self.step < cfg.train.steps:
-                if self._stop_signal is not None:  # arrived during setup, eval or a checkpoint
-                    return self._stop()
+                if self.signals.requested is not None:  # arrived during setup or a checkpoint
+                    return self._stop(last_saved)
                 t0 = time.monotonic()
                 batch = self.next_batch()
-                result = self.train_step(batch)
+                if first:  # compiles (minutes on a cold cache), warms up: progress events say it lives
+                    what = "the first step" + (" (compiling its graphs)" if self.compiled else "")
+                    with Progress("train", what, 1, "steps"):
+                        result = self.train_step(batch)
+                    first = False
+                else:
+                    result = self.train_step(batch)
                 self.step += 1
                 if self.compiled:
                     self.compile_reporter.report(self.events)  # first step, then on any new compile
                 self.last_tau = result.tau
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
-                if self._stop_signal is not None:
-                    return self._stop(result)
-                self.checkpoints.step_end(self.step, result.loss, result.grad_norm)
+                if self.signals.requested is not None:
+                    check_finite(self.step, result.loss, result.grad_norm, self.checkpoints.last_saved)
+                    return self._stop(last_saved)
+                self.checkpoints.step_end(self.step, result.loss, result.grad_norm)  # cadence saves
+                last_saved = self.checkpoints.last_saved
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                     self.evaluate()
-                    self.events.phase("train")
-            self.checkpoints.save(self.step)
+                    self._phase("train")
+            if last_saved != self.step:
+                self.checkpoint()
+                last_saved = self.step
             if cfg.eval.num_prompts > 0:
                 self.evaluate()  # while the final checkpoint is written
-            self.checkpoints.wait()
+            self.wait_checkpoints()
             self.events.phase("done")
             self.events.emit("done", steps=self.step, seconds=time.monotonic() - self.started)
             print0(f"done: {self.step} steps in {time.monotonic() - self.started:.1f}s")
             return self.step
+        except StopRequested:  # in an eval: the step before it is whole, so it can be saved
+            return self._stop(last_saved)
         finally:
-            self._restore_signals()
+            self.signals.restore()
 
-    def _stop(self, result: core.StepResult | None = None) -> int:
-        """A stop signal came: checkpoint unless this step is saved (or not finite), ``phase: stopped``."""
-        if result is not None:
-            check_finite(self.step, result.loss, result.grad_norm, self.checkpoints.last_saved)
-        self.checkpoints.save(self.step)
-        self.checkpoints.wait()
-        self.events.phase("stopped")
-        print0(f"stopped at step {self.step} (checkpointed)")
+    def wait_checkpoints(self) -> None:
+        """Wait for the background checkpoint writes (reporting them), with progress while one is
+        still being written."""
+        if self.checkpoints.writer.busy:
+            with Progress("checkpoint", "writing the checkpoint", 1, "files"):
+                self.report_checkpoints(wait=True)
+        else:
+            self.report_checkpoints(wait=True)
+
+    def _stop(self, last_saved: int) -> int:
+        """A stop signal came after set-up: checkpoint unless this step is saved, ``phase: stopped``."""
+        during = self.phase
+        if last_saved != self.step:
+            self.checkpoint()
+        self.wait_checkpoints()
+        self.events.emit("phase", phase="stopped", during=during, resume_step=self.step)
+        where = "between steps" if during == "train" else f"during {during}"
+        print0(f"stopped {where} at step {self.step} (checkpointed; `fab train` resumes after it)")
         return self.step
+
+    def stopped_in_setup(self) -> int:
+        """A stop signal came while setting up (data, target, drafter, compile): nothing was trained
+        in this launch, so there is nothing to checkpoint; say what a resume will find."""
+        resume_step = self.checkpoints.point.step
+        self.events.emit("phase", phase="stopped", during=self.phase, resume_step=resume_step)
+        found = f"resumes after step {resume_step}" if resume_step else "starts at step 1 (no checkpoint)"
+        print0(f"stopped during {self.phase}, before training: nothing to checkpoint; `fab train` {found}")
+        return resume_step
 
     def close(self) -> None:
         # a write in flight completes even when training failed; a failed write has raised in
         # train() already, and on an error path the training error is the one to report
         self.checkpoints.close()
-        self._restore_signals()
+        self.signals.restore()
+        report_to(None)
         self.logger.finish()
         self.events.close()
 
@@ -325,7 +378,11 @@ def train(config_name: str, run_dir: Path, overrides: list[str]) -> int:
     config = load_config(config_name, overrides)
     trainer = Trainer(config, run_dir)
     try:
-        trainer.setup()
+        try:
+            with trainer.signals.anywhere():
+                trainer.setup()
+        except StopRequested:
+            return trainer.stopped_in_setup()
         return trainer.train()
     finally:
         trainer.close()

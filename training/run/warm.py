@@ -77,6 +77,7 @@ from training.config import ConfigError, RunConfig, config_to_dict, load_config
 from training.contract import COMPILE_CACHE_ENV
 from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
+from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
 
 if TYPE_CHECKING:
@@ -359,7 +360,10 @@ def run_warm(
     device = resolve_device(config.model.device)
     set_threads(config)
     if not compiles(config, device):
-        echo(f"warm: compile.enabled={config.compile.enabled} does not compile on {device}: nothing to warm")
+        if not if_needed:  # `fab train` warms if needed on every launch: no line there for a no-op
+            why = "compile.enabled=auto compiles on GPUs only" if config.compile.enabled == "auto" else ""
+            why = why or f"compile.enabled={config.compile.enabled}"
+            echo(f"nothing to warm: this config runs without torch.compile on {device.type} ({why})")
         return None
     active = activate(root, device, load=False)
     cache = active.cache
@@ -469,9 +473,18 @@ def prepare_compile(
     reporter = start(device, echo=echo)
     if config.compile.fail_on_recompile and prewarm_dtype is not None:
         shapes = compile_shapes(planner)
-        prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=prewarm_dtype, echo=echo)
-        if target is not None:
-            run_target_shapes(target, shapes, device=device, echo=echo, what="compiled target forward")
+        total = len(shapes) * (2 if target is not None else 1)
+        with Progress("compile", "pre-compiling the run's shapes", total, "shapes") as progress:
+
+            def shape_done(line: str) -> None:  # both warm-ups print one line per shape done
+                echo(line)
+                progress.advance()
+
+            bounds = planner.boundaries
+            prewarm(drafter, shapes, bounds, device=device, hidden_dtype=prewarm_dtype, echo=shape_done)
+            if target is not None:
+                what = "compiled target forward"
+                run_target_shapes(target, shapes, device=device, echo=shape_done, what=what)
         torch.compiler.set_stance("fail_on_recompile")
         echo(f"compile: {len(shapes)} shapes pre-warmed; stance fail_on_recompile (a new shape is an error)")
     return reporter

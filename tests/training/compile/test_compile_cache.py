@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import testkit
 import torch
 from testkit import TINY_COMPILE_OVERRIDES
 
@@ -198,12 +199,9 @@ def test_warm_if_needed_skips_a_complete_cache_and_off_compiles_nothing(
 
 # ------------------------------------------------------------------ the real thing (slow)
 def _fab(config: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_TARGET"}
-    env["FLEET_CONFIG"] = str(config)
+    env = {k: v for k, v in os.environ.items() if k.startswith("FLEET_TRAINING")}  # the tiny cache
     env["TMUX_TMPDIR"] = str(config.parent / "tmux")  # a private tmux server, killed at teardown
-    return subprocess.run(
-        [str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return testkit.fab(*args, config=config, env=env, timeout=timeout)
 
 
 def _wait_for_exit(run_dir: Path, timeout: float = 900) -> int:
@@ -283,6 +281,39 @@ def test_fab_train_after_fab_warm_reports_hits_and_zero_misses(warmed: dict[str,
     assert first["fxgraph_miss"] == 0 and first["aotautograd_miss"] == 0
     assert events[-1]["fxgraph_miss"] == 0  # nothing compiled later in the run either
     assert "target forward: compiled per bucket shape" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_target_of_the_same_key_trains_from_the_shipped_artefact(warmed: dict[str, Any]) -> None:
+    """`fab warm` brought the artefact back to the controller (.fleet/compile-cache beside the
+    inventory); a second target (its own empty workdir, as a second host of the same GPU type)
+    gets it pushed by `fab train`: its warm-up finds the key complete and compiles nothing, and
+    the run starts with 0 FX / AOT misses."""
+    key = warmed["key_dir"].name
+    store = warmed["config"].parent / ".fleet" / "compile-cache"
+    assert f"compile cache {key} kept on the controller" in warmed["warm"].stdout
+    assert (store / key / cc.BLOB_FILE).read_bytes() == (warmed["key_dir"] / cc.BLOB_FILE).read_bytes()
+    second = warmed["config"].parent / "second.toml"
+    second.write_text(
+        warmed["config"]
+        .read_text()
+        .replace("[targets.local", "[targets.second")
+        .replace('default_target = "local"', 'default_target = "second"')
+        .replace(f'workdir = "{warmed["workdir"]}"', f'workdir = "{warmed["workdir"]}-second"')
+    )
+    deployed = _fab(second, "deploy")
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    started = _fab(second, "train")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert f"second: compile cache {key} shipped from the controller" in started.stdout
+    assert "already warm" in started.stdout and "warm [1/1]" not in started.stdout  # no compile phase
+    run_dir = (Path(f"{warmed['workdir']}-second") / "runs" / "latest").resolve()
+    assert _wait_for_exit(run_dir) == 0, _tail(run_dir / "train.log")
+    events = _cache_events(run_dir)
+    assert events and events[0]["key"] == key, _tail(run_dir / "train.log")
+    assert events[0]["fxgraph_hit"] > 0 and events[0]["aotautograd_hit"] > 0
+    assert all(e["fxgraph_miss"] == 0 and e["aotautograd_miss"] == 0 for e in events)
+    assert "loaded Mega-Cache blob" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow

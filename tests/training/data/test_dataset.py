@@ -76,8 +76,8 @@ def test_record_is_truncated_and_rejects_unknown_shapes(tokenizer) -> None:
         {"prompt": "def add(a, b):\n", "completion": "    return a + b\n" * 20}, tokenizer, 16
     )
     assert row["length"] == len(row["input_ids"]) == len(row["loss_mask"]) == 16
-    with pytest.raises(ValueError, match="neither"):
-        tokenize_record({"text": "x"}, tokenizer, 16)
+    odd = tokenize_record({"question": "x"}, tokenizer, 16)
+    assert odd["format"] == "" and odd["length"] == 0
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -112,8 +112,9 @@ def test_load_jsonl_and_parquet_then_batches(tokenizer, tmp_path: Path) -> None:
 def test_bad_data_paths_are_config_errors(tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_tokenized(DataSection(path=str(tmp_path / "nope.jsonl")), tokenizer, tmp_path, tmp_path / "dc")
-    _write_jsonl(tmp_path / "odd.jsonl", [{"text": "hello"}])
-    with pytest.raises(ConfigError, match="'messages' or 'prompt'"):
+    _write_jsonl(tmp_path / "odd.jsonl", [{"prompt": "a", "completion": "b"}, {"question": "hello"}])
+    unknown = r"odd.jsonl line 2: a record of no known format \(keys found: question\)"
+    with pytest.raises(ConfigError, match=unknown):
         load_tokenized(DataSection(path=str(tmp_path / "odd.jsonl")), tokenizer, tmp_path, tmp_path / "dc2")
 
 

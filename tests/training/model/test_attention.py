@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from training.model import attention as A
 
@@ -241,7 +241,7 @@ def test_compiled_flex_on_cpu_matches_reference_without_recompiling_for_new_anch
 def test_compiled_block_mask_builder_is_made_once_and_builds_what_eager_builds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The compiled path wraps create_block_mask in torch.compile once per process (not a new
+    """The compiled path wraps the tile maps in torch.compile once per process (not a new
     wrapper each step); here torch.compile is a counting pass-through (the compile itself is
     covered by the test above), so the masks must be the eager ones, for new anchors each call."""
     made: list[object] = []
@@ -257,7 +257,31 @@ def test_compiled_block_mask_builder_is_made_once_and_builds_what_eager_builds(
         compiled = [A.build_block_mask(a, T, bs, w, tile=16) for a, T, bs, w in _cases(7, 4)]
     finally:
         A.set_cpu_compile(False)
-    assert made == [A.create_block_mask]
+    assert made == [A.tile_maps]
     for bm, (anchors, T, bs, window) in zip(compiled, _cases(7, 4), strict=True):
         eager = A.build_block_mask(anchors, T, bs, window, tile=16)
         assert torch.equal(bm.to_dense(), eager.to_dense())
+
+
+@pytest.mark.parametrize("tile", [8, 128])
+def test_block_mask_is_what_torch_create_block_mask_builds(tile: int) -> None:
+    """The split builder (tile maps, then an eager sort) gives flex exactly the index tensors
+    torch's own ``create_block_mask`` gives for the same mask_mod: both directions, partial and
+    full tiles, lengths that are not multiples of the tile included."""
+    for anchors, T, bs, window in _cases(11 + tile, 8):
+        ours = A.build_block_mask(anchors, T, bs, window, tile=tile)
+        q_len = anchors.shape[1] * bs
+        mod = A.make_mask_mod(anchors, T, bs, window)
+        ref = create_block_mask(mod, anchors.shape[0], 1, q_len, T + q_len, device="cpu", BLOCK_SIZE=tile)
+        assert ours.seq_lengths == ref.seq_lengths
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+        for num, idx in (
+            ("kv_num_blocks", "kv_indices"),
+            ("full_kv_num_blocks", "full_kv_indices"),
+            ("q_num_blocks", "q_indices"),
+            ("full_q_num_blocks", "full_q_indices"),
+        ):
+            n = getattr(ref, num)
+            keep = torch.arange(getattr(ref, idx).shape[-1]) < n[..., None]  # entries past n are unused
+            assert torch.equal(getattr(ours, idx)[keep], getattr(ref, idx)[keep]), idx

@@ -9,13 +9,13 @@ which is what a real kernel compile error looks like.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import testkit
 from testkit import TINY_COMPILE_OVERRIDES
 
 from training.run.warm import error_summary
@@ -67,13 +67,9 @@ def test_fab_warm_names_the_compilers_error(tmp_path: Path, tiny_cache: Path) ->
         f"overrides = [{overrides}]\nenv = {{ {env_toml} }}\n"
         f'[targets.local.commands]\npython = "{sys.executable}"\n'
     )
-    run_env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TARGET", "CXX")}
-    run_env["FLEET_CONFIG"] = str(config)
 
     def fab(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(FAB), *args], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900
-        )
+        return testkit.fab(*args, config=config, timeout=900)
 
     assert fab("deploy").returncode == 0
     warm = fab("warm")

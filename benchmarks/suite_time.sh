@@ -1,0 +1,49 @@
+#!/bin/sh
+# Wall time and CPU time of a command and of everything it starts: the test suite's cost on a
+# machine shared with other work, where wall time alone says little.
+#
+#   sh benchmarks/suite_time.sh .venv/bin/python -m pytest
+#
+# CPU time is read from a cpuacct cgroup (cgroup v1, as root) made for the command, plus what
+# this checkout's test containers used meanwhile (their processes live in LXC's own cgroups:
+# lxc.payload.<prefix>*, prefix from tests/hosts/.state/hosts.env). Processes started through
+# the test sshd are counted only where they run in a container. Prints one line at the end:
+#   suite_time: wall 812.3 s, cpu 1520.4 s (command 1391.0 s, containers 129.4 s), rc 0
+set -eu
+cd "$(dirname "$0")/.."
+acct=/sys/fs/cgroup/cpuacct
+[ -w "$acct" ] || { echo "suite_time: needs root and a cgroup v1 cpuacct hierarchy at $acct" >&2; exit 2; }
+
+prefix=""
+if [ -f tests/hosts/.state/hosts.env ]; then
+    name=$(sed -n 's/^FLEET_TEST_CT_NAME=//p' tests/hosts/.state/hosts.env)
+    id=$(sed -n 's/^FLEET_TEST_CT_ID=//p' tests/hosts/.state/hosts.env)
+    prefix=${name%"ct$id"}
+fi
+
+containers_ns() {
+    total=0
+    if [ -n "$prefix" ]; then
+        for usage in "$acct"/lxc.payload."$prefix"*/cpuacct.usage; do
+            [ -f "$usage" ] && total=$((total + $(cat "$usage")))
+        done
+    fi
+    echo "$total"
+}
+
+group="$acct/suite-time-$$"
+mkdir "$group"
+trap 'rmdir "$group" 2>/dev/null || true' EXIT
+ct_before=$(containers_ns)
+start=$(date +%s%N)
+rc=0
+sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$group" "$@" || rc=$?
+end=$(date +%s%N)
+ct_after=$(containers_ns)
+own=$(cat "$group/cpuacct.usage")
+# A container made and removed by the command (the fresh-machine test's) took its usage with it.
+ct=$((ct_after > ct_before ? ct_after - ct_before : 0))
+awk -v w=$((end - start)) -v o="$own" -v c="$ct" -v rc="$rc" 'BEGIN {
+    printf "suite_time: wall %.1f s, cpu %.1f s (command %.1f s, containers %.1f s), rc %d\n",
+        w / 1e9, (o + c) / 1e9, o / 1e9, c / 1e9, rc }'
+exit "$rc"

@@ -1,0 +1,171 @@
+"""Compile artefacts kept on the controller and shipped to targets of the same key: two real
+``local`` targets (their own workdirs, the shipped sh scripts run by ``sh``), manifests written by
+the trainer's own ``Manifest`` class. The end-to-end check (a second target trains with 0 misses
+from the shipped blob, CPU inductor) is the slow test in tests/training/compile/test_compile_cache.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fleet import compile_share as cs
+from fleet.errors import RunError
+from fleet.inventory import TargetSpec
+from fleet.target import Target, open_target
+from training.compile.cache import Manifest
+
+KEY = "abc123-torch2.11.0+cu130-triton3.6.0-NVIDIA-H200-sm90-cuda13.0"
+
+
+def _manifest(key: str, created_at: str, *, complete: bool = True) -> str:
+    return Manifest(
+        key=key,
+        config="qwen3-8b-h200",
+        config_hash="h",
+        buckets=(0, 770, 4097),
+        shapes=(),
+        variants=2,
+        recompile_limit=14,
+        seconds=1.0,
+        torch="2.11.0",
+        triton="3.6.0",
+        device="NVIDIA-H200-sm90",
+        blob_bytes=5,
+        created_at=created_at,
+        complete=complete,
+    ).to_json()
+
+
+def _write(root: Path, key: str, created_at: str, blob: bytes, *, complete: bool = True) -> None:
+    (root / key).mkdir(parents=True, exist_ok=True)
+    (root / key / cs.BLOB).write_bytes(blob)
+    (root / key / cs.MANIFEST).write_text(_manifest(key, created_at, complete=complete))
+
+
+def _target(tmp_path: Path, name: str) -> Target:
+    return open_target(TargetSpec(name=name, host="local", workdir=str(tmp_path / name)))
+
+
+def _root(target: Target) -> str:
+    return target.spec.layout.compile_cache
+
+
+def test_warm_host_to_controller_to_second_host_byte_for_byte(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    blob = os.urandom(300_000)
+    with _target(tmp_path, "a") as a, _target(tmp_path, "b") as b:
+        _write(Path(_root(a)), KEY, "2026-12-01T10:00:00", blob)
+        assert cs.pull(a, store, _root(a)) == [KEY]
+        assert (store / KEY / cs.BLOB).read_bytes() == blob
+        assert cs.pull(a, store, _root(a)) == []  # nothing newer there
+        assert cs.push(b, store, _root(b)) == [KEY]
+        shipped = Path(_root(b)) / KEY
+        assert (shipped / cs.BLOB).read_bytes() == blob
+        assert (shipped / cs.MANIFEST).read_text() == (store / KEY / cs.MANIFEST).read_text()
+        assert cs.push(b, store, _root(b)) == []  # already there
+        assert cs.push(a, store, _root(a)) == []  # where it came from
+        assert not [p for p in Path(_root(b)).iterdir() if p.name.startswith(".")]  # no scratch left
+
+
+def test_the_newest_warm_up_wins_both_ways(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with _target(tmp_path, "a") as a:
+        _write(store, KEY, "2026-12-01T10:00:00", b"old")
+        _write(Path(_root(a)), KEY, "2026-12-01T11:00:00", b"new")
+        assert cs.push(a, store, _root(a)) == []  # the target's is newer: kept
+        assert cs.pull(a, store, _root(a)) == [KEY]
+        assert (store / KEY / cs.BLOB).read_bytes() == b"new"
+        _write(store, KEY, "2026-12-01T12:00:00", b"newer")
+        assert cs.push(a, store, _root(a)) == [KEY]
+        assert (Path(_root(a)) / KEY / cs.BLOB).read_bytes() == b"newer"
+
+
+def test_incomplete_or_blobless_warm_ups_are_not_shipped(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with _target(tmp_path, "a") as a, _target(tmp_path, "b") as b:
+        root = Path(_root(a))
+        _write(root, KEY, "2026-12-01T10:00:00", b"x", complete=False)  # a warm-up cut short
+        _write(root, KEY + "-2", "2026-12-01T10:00:00", b"x")
+        (root / (KEY + "-2") / cs.BLOB).unlink()
+        assert cs.pull(a, store, _root(a)) == []
+        assert cs.local_artefacts(store) == {}
+        assert cs.push(b, store, _root(b)) == []  # nothing to ship; b's root need not exist
+        assert not Path(_root(b)).exists()
+
+
+def test_listing_parser_skips_noise_and_damaged_lines() -> None:
+    import base64
+
+    good = base64.b64encode(_manifest(KEY, "t1").encode()).decode()
+    text = "\n".join(
+        [
+            f"@@key {KEY} {good}",
+            "@@key other !!notbase64!!",
+            f"@@key bad/key {good}",
+            "some warning on stderr-turned-stdout",
+        ]
+    )
+    assert list(cs.parse_listing(text)) == [KEY]
+    assert cs.parse_listing(text)[KEY].created_at == "t1"
+
+
+def test_a_failed_install_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _write(store, KEY, "2026-12-01T10:00:00", b"x")
+    with _target(tmp_path, "a") as a:
+        blocker = Path(_root(a))
+        blocker.parent.mkdir(parents=True)
+        blocker.write_text("a file where the cache root should be")
+        with pytest.raises(RunError, match=r"could not install the compile artefact"):
+            cs.push(a, store, _root(a))
+
+
+_COMPILE_CHILD = """
+import json, sys, torch
+from pathlib import Path
+from training.compile import cache as cc
+
+root, mode = Path(sys.argv[1]), sys.argv[2]
+active = cc.activate(root, torch.device("cpu"))
+fn = torch.compile(lambda x: (x.sin() * 2 + x.cos()).sum(dim=-1), dynamic=False)
+fn(torch.randn(4, 8))
+if mode == "warm":
+    size, _ = cc.save_blob(active.cache.blob_path)
+    manifest = json.loads(sys.argv[3])
+    manifest.update(key=active.cache.key.text, blob_bytes=size)
+    active.cache.manifest_path.write_text(json.dumps(manifest))
+print(json.dumps({"key": active.cache.key.text, "loaded": active.blob_bytes, **cc.cache_counters()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_target_compiles_nothing_from_the_shipped_blob(tmp_path: Path) -> None:
+    """CPU inductor, real blob: a process on target a compiles and saves its artefact; it goes
+    a -> controller -> b; a process on b (an empty cache dir) loads it and hits, 0 misses."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
+    env["PYTHONPATH"] = str(repo)
+
+    def child(root: str, mode: str) -> dict[str, int]:
+        manifest = _manifest("k", "2026-12-01T10:00:00")
+        argv = [sys.executable, "-c", _COMPILE_CHILD, root, mode, manifest]
+        out = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    store = tmp_path / "store"
+    with _target(tmp_path, "a") as a, _target(tmp_path, "b") as b:
+        warm = child(_root(a), "warm")
+        assert warm["fxgraph_miss"] > 0 and not warm["loaded"]
+        assert cs.pull(a, store, _root(a)) == [warm["key"]]
+        assert cs.push(b, store, _root(b)) == [warm["key"]]
+        second = child(_root(b), "run")
+        assert second["loaded"] > 0
+        assert second["fxgraph_hit"] > 0 and second["fxgraph_miss"] == 0

@@ -1,0 +1,88 @@
+"""The serving benchmark's pure parts: llama-server's /metrics parsed, the table summarized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from training.engines.serve_bench import default_draft_lengths, parse_lengths, summarize
+from training.engines.server import SPEC_COUNTERS, Completion, EngineRun, parse_metrics
+
+# The shape of llama-server's /metrics (tools/server/server-task.cpp: HELP, TYPE, then the value).
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 4096
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 1400
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 210
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 200
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s.
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 1.23457e+06
+"""
+
+
+def test_metrics_are_parsed_by_name() -> None:
+    values = parse_metrics(METRICS)
+    assert [values[name] for name in SPEC_COUNTERS.values()] == [1400, 210, 200]
+    assert values["llamacpp:predicted_tokens_seconds"] == pytest.approx(1.23457e6)
+    assert "# HELP" not in "".join(values)
+
+
+def _run(
+    draft: int, texts: list[str], ms: float, drafted: int = 0, accepted: int = 0, rounds: int = 0
+) -> EngineRun:
+    done = tuple(Completion(tuple(ord(c) for c in t), t, len(t), ms) for t in texts)
+    return EngineRun(draft, done, drafted, accepted, rounds)
+
+
+def test_summary_speedup_acceptance_and_identity() -> None:
+    alone = _run(0, ["abcd", "efgh"], 100.0)  # 8 tokens in 200 ms: 40 tok/s
+    fast = _run(7, ["abcd", "efgh"], 50.0, drafted=70, accepted=12, rounds=10)
+    wrong = _run(3, ["abcd", "efgX"], 25.0, drafted=30, accepted=3, rounds=10)
+    out = summarize(
+        [alone, fast, wrong],
+        step=5,
+        max_new_tokens=4,
+        block_size=8,
+        backend="cpu",
+        threads=2,
+        project_tau=2.1,
+        drafter_gguf=Path("d.gguf"),
+        target_gguf=Path("t.gguf"),
+        seconds=1.0,
+    )
+    assert [r.tok_s for r in out.rows] == [40.0, 80.0, 160.0]
+    assert [r.speedup for r in out.rows] == [1.0, 2.0, 4.0]
+    assert [r.identical for r in out.rows] == [2, 2, 1]
+    assert out.rows[1].mean_len == pytest.approx(2.2) and out.rows[1].accept_rate == pytest.approx(
+        12 / 70, abs=1e-4
+    )
+    assert out.engine_tau == pytest.approx(2.2) and out.agreement == pytest.approx(0.1)
+    assert (out.best_draft, out.best_speedup, out.all_identical) == (3, 4.0, False)
+    assert "DIFFER" in out.text() and out.event_fields()["draft_lengths"] == [0, 7, 3]
+
+
+def test_draft_lengths() -> None:
+    assert default_draft_lengths(16) == [1, 3, 7, 15]
+    assert default_draft_lengths(8) == [1, 3, 7]
+    assert parse_lengths("7,3, 3") == [3, 7] and parse_lengths("") is None
+
+
+def test_serve_bench_of_a_dir_without_a_run_is_one_line_and_writes_no_event(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training.__main__ import main
+
+    assert main(["serve-bench", "--run-dir", str(tmp_path), "--draft-lengths", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert not (tmp_path / "events.jsonl").exists()
+    assert main(["serve-bench", "--run-dir", str(tmp_path), "--draft-lengths", "x"]) == 2
+    assert "--draft-lengths 'x'" in capsys.readouterr().err
