@@ -88,8 +88,9 @@ def train(c: Context, no_warm: bool = False, fresh: bool = False, from_: str = "
         if not no_warm:
             # compiles only when the key's cache is not complete (here, or on the controller)
             runs.warm_cache(target, if_needed=True, store=compile_share.store_for(inventory().root))
-        if plan.note:
-            print(f"{target.name}: {plan.note}")
+        for line in (*plan.rejected, plan.note):
+            if line:
+                print(f"{target.name}: {line}")
         print(runs.started_line(target.name, runs.start_run(target, plan=plan)))
         if line := runs.prune_runs(target):
             print(line)

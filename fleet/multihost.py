@@ -30,6 +30,7 @@ from fleet.fanout import fan_out, raise_first
 from fleet.inventory import Inventory, MultiRunSpec, member_spec
 from fleet.status.model import RunStatus, State
 from fleet.target import Target, open_target
+from training import contract
 
 if TYPE_CHECKING:
     from fleet.doctor import RunNeeds
@@ -138,11 +139,15 @@ def _plan(
             "`fab train --fresh` starts a new run"
         )
     resume = runs.parse_resume_check(candidate, res.stdout)
+    rejected = [f"{ck.name}: {line}" for line in contract.parse_rejected_lines(res.stdout)]
     if resume is None:
-        return release, None, f"run {candidate} has no checkpoint on {ck.name}: starting a new run"
-    if resume.step >= resume.total_steps:
-        return release, None, f"run {candidate} finished ({resume.step} steps): starting a new run"
-    return release, resume, ""
+        none = "no checkpoint that passed its check" if rejected else "no checkpoint"
+        note = f"run {candidate} has {none} on {ck.name}: starting a new run"
+    elif resume.step >= resume.total_steps:
+        note, resume = f"run {candidate} finished ({resume.step} steps): starting a new run", None
+    else:
+        note = ""
+    return release, resume, "\n".join([*rejected, note]).strip()
 
 
 def train(

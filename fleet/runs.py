@@ -82,6 +82,7 @@ class LaunchPlan:
     latest: str | None  # runs/latest's run id (a new run id is bumped past it)
     resume: Resume | None = None
     note: str = ""  # why a new run although one could have been continued (finished, no checkpoint)
+    rejected: tuple[str, ...] = ()  # newer checkpoints that failed their check: one line each
 
 
 @dataclass(frozen=True)
@@ -440,7 +441,8 @@ def _live_error(target: Target, status: BasicStatus) -> RunError:
 
 
 def parse_resume_check(run_id: str, stdout: str) -> Resume | None:
-    """``training resume-check``'s answer (``contract.parse_resume_line``) -> Resume; none -> None."""
+    """``training resume-check``'s answer (``contract.parse_resume_line``) -> Resume; none -> None.
+    The ``rejected`` lines before it: ``contract.parse_rejected_lines``."""
     try:
         point = contract.parse_resume_line(stdout)
     except ValueError:
@@ -494,13 +496,15 @@ def plan_launch(
             "`fab train --fresh` starts a new run"
         )
     resume = parse_resume_check(candidate, res.stdout)
+    plan = replace(plan, rejected=contract.parse_rejected_lines(res.stdout))
     if resume is None:
         if from_run:
             raise RunError(
                 f"{target.name}: run {from_run} has no checkpoint to resume from "
                 f"({spec.layout.run_dir(from_run)}/{contract.CHECKPOINT_DIR}); `fab runs` lists runs"
             )
-        return replace(plan, note=f"run {candidate} has no checkpoint: starting a new run")
+        none = "no checkpoint that passed its check" if plan.rejected else "no checkpoint"
+        return replace(plan, note=f"run {candidate} has {none}: starting a new run")
     if resume.step >= resume.total_steps and not from_run:
         return replace(plan, note=f"run {candidate} finished ({resume.step} steps): starting a new run")
     return replace(plan, resume=resume)

@@ -34,6 +34,10 @@ CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_co
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_FORMAT = "step-%08d.pt"
 CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt")
+# Beside each checkpoint its manifest (size and sha256 of the file, written after it is fsync'd);
+# a checkpoint that failed its check is renamed aside with its manifest, never deleted.
+CHECKPOINT_MANIFEST_SUFFIX = ".manifest.json"  # step-00000042.pt.manifest.json
+CHECKPOINT_SET_ASIDE_SUFFIX = ".bad"  # step-00000042.pt.bad (.bad.2, ... when that exists)
 RUN_DIR_FILES = (
     EVENTS_FILE,
     LOG_FILE,
@@ -100,9 +104,12 @@ RUN_ENV = (
 )
 
 
-# --- `python -m training resume-check`'s answer: one line on stdout --------------------------------
+# --- `python -m training resume-check`'s answer: lines on stdout -----------------------------------
+# ``rejected STEP TEXT`` for each newer checkpoint that failed its check (TEXT names it and why),
+# then one answer line.
 
 RESUME_NONE = "none"
+RESUME_REJECTED = "rejected"
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,21 @@ class ResumePoint:
 def format_resume_line(point: ResumePoint | None) -> str:
     """``checkpoint STEP TOTAL PATH``, or ``none`` (nothing to resume)."""
     return RESUME_NONE if point is None else f"checkpoint {point.step} {point.total_steps} {point.path}"
+
+
+def format_rejected_line(step: int, text: str) -> str:
+    """``rejected STEP TEXT``: a checkpoint that failed its check, in one line."""
+    return f"{RESUME_REJECTED} {step} {' '.join(text.split())}"
+
+
+def parse_rejected_lines(stdout: str) -> tuple[str, ...]:
+    """The TEXT of each ``format_rejected_line`` in ``stdout``."""
+    found = []
+    for line in stdout.splitlines():
+        words = line.split(" ", 2)
+        if words[0] == RESUME_REJECTED and len(words) == 3 and words[1].isdigit():
+            found.append(words[2])
+    return tuple(found)
 
 
 def parse_resume_line(stdout: str) -> ResumePoint | None:
@@ -201,6 +223,7 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     },
     "checkpoint": {"step": "int", "path": "str", "seconds": "float"},
     "resume": {"step": "int", "path": "str"},
+    "checkpoint_set_aside": {"step": "int", "path": "str", "moved_to": "str", "reason": "str"},
     "eval": {"step": "int", "tau_mean": "float", "tau_hist": "list[int]", "tau_estimate": "float"},
     "compile_cache": {
         "fxgraph_hit": "int",

@@ -46,7 +46,7 @@ from training.config import ConfigError, RunConfig, TrainingError, read_config
 from training.contract import CHECKPOINT_DIR, HF_CONFIG_FILE
 from training.model.drafter import DrafterConfig, drafter_layout
 from training.model.hf_folder import ARCHITECTURE, WEIGHTS, load_export_into, read_export
-from training.run.checkpoint import drafter_weights, list_checkpoints
+from training.run.checkpoint import drafter_weights, list_checkpoints, verify_checkpoint
 
 __all__ = ["ARCHITECTURE", "WEIGHTS", "export_run", "load_export_into", "read_export"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -83,6 +83,11 @@ def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
                 )
             chosen = match[0]
         try:
+            why = verify_checkpoint(chosen[1], chosen[0])
+            if why and chosen[1].exists():
+                raise ConfigError(
+                    f"checkpoint {chosen[1]} failed its check: {why}; export another step (--step)"
+                )
             state = torch.load(chosen[1], map_location="cpu", weights_only=False)
         except FileNotFoundError:
             if step is not None:

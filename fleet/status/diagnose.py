@@ -4,7 +4,8 @@
 ``events.jsonl``) for the failures seen on multi-GPU DFlash runs: the FX-tracing
 RuntimeError from compiling in threads, Dynamo's recompile limit (silent dense fallback),
 flex_attention without ``torch.compile``, CUDA OOM, NCCL timeouts and dead ranks, an NVML
-driver/library mismatch, import errors (environment drift), a full disk, a torchrun rendezvous
+driver/library mismatch, import errors (environment drift), a full disk, a non-finite loss (the
+trainer stopped before checkpointing it), a torchrun rendezvous
 that did not come up, a C++ abort
 (``terminate called after throwing ...``) or native crash, and any other Python traceback;
 ``killed_diagnosis`` names the likely causes of a SIGKILL (exit 137).
@@ -235,6 +236,18 @@ def _rendezvous(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
     )
 
 
+def _non_finite(lines: list[str], i: int, m: re.Match[str]) -> Diagnosis:
+    """training.run.checkpoint.check_finite's line: the run stopped before checkpointing the step."""
+    return Diagnosis(
+        "non-finite-loss",
+        f"non-finite {m.group(1)} at step {m.group(2)}: the run stopped before checkpointing that step; "
+        "its earlier checkpoints are kept",
+        "lower train.lr, raise train.warmup_steps or lower train.grad_clip (or check that step's data), "
+        "then `fab train` resumes from the last good checkpoint; a plain restart replays the same step",
+        _short(lines[i]),
+    )
+
+
 @dataclass(frozen=True)
 class Signature:
     """One row of the table: the line that triggers it, what it means, and whether a restart can help."""
@@ -273,6 +286,12 @@ _SIGNATURES: tuple[Signature, ...] = (
     Signature(
         "import-error", re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$"), _import, retryable=False
     ),
+    Signature(
+        "non-finite-loss",
+        re.compile(r"non-finite (loss|gradient norm) at step (\d+)"),
+        _non_finite,
+        retryable=False,
+    ),
     Signature("disk-full", re.compile(r"No space left on device|\[Errno 28\]"), _disk_full),
     Signature(
         "rendezvous",
@@ -310,6 +329,7 @@ FATAL_SIGNATURES = frozenset(
         "rank-died",
         "import-error",
         "disk-full",
+        "non-finite-loss",
         "rendezvous",
         "cpp-abort",
         "native-crash",

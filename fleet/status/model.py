@@ -587,6 +587,11 @@ def build_status(
             )
             if _num(ev.get("seconds")) is not None:
                 checkpoint_times.append(float(ev["seconds"]))
+        elif kind == "checkpoint_set_aside":  # failed its check at a resume: renamed, never deleted
+            notes.append(
+                f"checkpoint step {ev.get('step')} failed its check ({ev.get('reason', '')}): "
+                f"set aside as {ev.get('moved_to', '')}"
+            )
         elif kind == "serve_bench":
             serve = ServeFigure.from_event(ev) or serve
         elif kind == "eval":

@@ -225,3 +225,15 @@ def test_a_rendezvous_that_did_not_come_up() -> None:
     (unresolved,) = diagnose((LOGS / "rendezvous_unresolved.log").read_text())
     assert unresolved.signature == "rendezvous" and "does not resolve" in unresolved.cause
     assert "/etc/hosts" in unresolved.fix
+
+
+def test_a_non_finite_loss_is_named_with_its_step_and_never_retried() -> None:
+    from fleet.remote.run_cause import first_cause
+    from fleet.status.diagnose import FATAL_SIGNATURES, NOT_RETRYABLE
+
+    d = _one("non_finite_loss.log", "non-finite-loss")
+    assert d.cause.startswith("non-finite loss at step 2:") and "earlier checkpoints are kept" in d.cause
+    assert "train.lr" in d.fix and "replays the same step" in d.fix
+    assert _sigs("non_finite_loss.log") == ["non-finite-loss"] and "non-finite-loss" in FATAL_SIGNATURES
+    rows = "\n".join(f"{sig}\t{pattern}" for sig, pattern in NOT_RETRYABLE)
+    assert first_cause((LOGS / "non_finite_loss.log").read_text(), rows) == "non-finite-loss"

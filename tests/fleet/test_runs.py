@@ -659,6 +659,8 @@ _FAILURE_LINES = {  # a real line of each kind of failure, as torchrun's ranks p
     "import-error": "[rank0]: ModuleNotFoundError: No module named 'flashinfer'",
     "cuda-oom": "[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
     "disk-full": "OSError: [Errno 28] No space left on device",
+    "non-finite-loss": "error: non-finite loss at step 2 (loss nan, gradient norm nan): stopped before "
+    "checkpointing it, the last good checkpoint is step 1",
 }
 
 
@@ -673,7 +675,12 @@ def test_the_restart_decision_and_the_diagnosis_read_a_log_alike() -> None:
     rows = runs.wrapper_env(TargetSpec(name="t", host="local", workdir="/w", run=RunSpec(restart_max=1)))[
         "FLEET_NO_RETRY"
     ]
-    assert {sig for sig, _ in NOT_RETRYABLE} == {"fx-trace-threads", "nvml-mismatch", "import-error"}
+    assert {sig for sig, _ in NOT_RETRYABLE} == {
+        "fx-trace-threads",
+        "nvml-mismatch",
+        "import-error",
+        "non-finite-loss",
+    }
     for signature, line in _FAILURE_LINES.items():
         log = f"step 10\nTraceback (most recent call last):\n{line}\n"
         assert next(d.signature for d in diagnose(log)) == signature

@@ -707,3 +707,16 @@ def test_median_tokens_per_s_ignores_a_slow_first_window() -> None:
     rates = [50.0, 1000.0, 1010.0, 990.0, 1005.0]
     st = status([*START, *(step(i, i, rate=r) for i, r in enumerate(rates, start=1))])
     assert st.tokens_per_s == 1000.0
+
+
+def test_a_checkpoint_set_aside_at_a_resume_is_noted() -> None:
+    path = "/r/checkpoints/step-00000040.pt"
+    aside = ev(
+        101, "checkpoint_set_aside", step=40, path=path, moved_to=path + ".bad", reason="truncated: 9 bytes"
+    )
+    st = status(
+        [*START, step(5, 40), aside, resume_ev(102, 30)], RunFacts(run_id="r1", alive=True, now=T0 + 103)
+    )
+    note = f"checkpoint step 40 failed its check (truncated: 9 bytes): set aside as {path}.bad"
+    assert note in st.notes and note in st.to_json()["notes"]
+    assert "failed its check" in render_text(st)  # (wrapped to the terminal width)

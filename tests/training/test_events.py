@@ -81,6 +81,7 @@ def test_every_event_of_the_table_has_a_schema() -> None:
     expected = {
         "run_start", "phase", "buckets", "load_progress", "progress", "step", "checkpoint",
         "eval", "compile_cache", "balance", "error", "done", "target", "resume", "serve_bench",
+        "checkpoint_set_aside",
     }  # fmt: skip
     assert set(EVENT_FIELDS) == expected
     doc = (Path(__file__).resolve().parents[2] / "training" / "EVENTS.md").read_text()

@@ -10,8 +10,8 @@ warm-up) reuse:
     build_optimizer                   AdamW + linear warmup and cosine decay (``lr_lambda``)
     batch_anchors                     a batch's anchors, drawn from (seed, data position) only
     train_forward, drafter_step       forward under the device's autocast; one optimizer step
-    checkpoint_state, write_checkpoint, resume   what a checkpoint holds, written and read back
-    report_checkpoints                the ``checkpoint`` events of background writes that finished
+    checkpoint_state                  what a checkpoint holds (``training.run.checkpoint`` writes,
+                                      verifies and resumes it: ``CheckpointManager``)
     report_step                       the ``step`` event (training/EVENTS.md), metrics, the human line
     compiles                          whether a run compiles on a device (compile.enabled)
     load_train_data                   the tokenized data and its cache folder
@@ -66,15 +66,6 @@ from training.model.target import (
     text_config,
 )
 from training.progress import Progress
-from training.run.checkpoint import (
-    CheckpointWriter,
-    SavedCheckpoint,
-    drafter_weights,
-    load_latest,
-    remove_stale_temps,
-    restore_rng,
-    save_checkpoint,
-)
 from training.wandb_logger import MetricsLogger
 
 Echo = Callable[[str], None]
@@ -311,7 +302,7 @@ def checkpoint_state(
     config: RunConfig,
     **extra: Any,
 ) -> dict[str, Any]:
-    """What a checkpoint holds besides its step and RNG states (``save_checkpoint`` adds those)."""
+    """What a checkpoint holds besides its step and RNG states (the writer adds those)."""
     own = getattr(drafter, "module", drafter)  # DDP wraps the drafter on drafter ranks
     return {
         "drafter": own.state_dict(),
@@ -323,89 +314,6 @@ def checkpoint_state(
         "config": config_to_dict(config),
         **extra,
     }
-
-
-def write_checkpoint(
-    run_dir: Path,
-    step: int,
-    state: dict[str, Any],
-    keep: int,
-    events: EventWriter,
-    echo: Echo,
-    writer: CheckpointWriter | None = None,
-) -> SavedCheckpoint | None:
-    """``phase: checkpoint`` and the atomic write (last ``keep`` kept). Without ``writer``: the
-    write itself, then the ``checkpoint`` event; returns it. With one: the host copy only, the
-    write goes on in the background (its event comes from ``report_checkpoints``); None."""
-    events.phase("checkpoint")
-    if writer is not None:
-        writer.save(step, state)
-        return None
-    saved = save_checkpoint(run_dir, step, state, keep)
-    _checkpoint_event(saved, events, echo)
-    return saved
-
-
-def report_checkpoints(
-    writer: CheckpointWriter, events: EventWriter, echo: Echo, *, wait: bool = False
-) -> None:
-    """The ``checkpoint`` event of each background write finished since the last call (``wait``:
-    first wait for the one in flight); a failed write raises here, in the training thread."""
-    for saved in writer.wait() if wait else writer.poll():
-        _checkpoint_event(saved, events, echo)
-
-
-def _checkpoint_event(saved: SavedCheckpoint, events: EventWriter, echo: Echo) -> None:
-    blocking = saved.total_s if saved.blocking_s is None else saved.blocking_s
-    events.emit(
-        "checkpoint",
-        step=saved.step,
-        path=str(saved.path),
-        seconds=saved.total_s,
-        blocking_s=blocking,
-        total_s=saved.total_s,
-    )
-    echo(
-        f"checkpoint step {saved.step} -> {saved.path} ({saved.total_s:.2f}s, "
-        f"training blocked {blocking:.2f}s)"
-    )
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """Where a resumed run continues: the checkpoint's step, next data position and last tau."""
-
-    step: int
-    position: Position
-    tau: float
-    path: str
-
-
-def resume(
-    run_dir: Path,
-    drafter: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    *,
-    map_location: str | torch.device,
-    clean: bool = True,
-) -> Resumed | None:
-    """Load the newest checkpoint of ``run_dir`` into drafter, optimizer and scheduler and
-    restore the RNG states; None when there is none. ``clean``: first delete the temp files a
-    killed writer left (one process per run dir does)."""
-    if clean:
-        remove_stale_temps(run_dir)
-    state = load_latest(run_dir, map_location=map_location)
-    if state is None:
-        return None
-    drafter.load_state_dict(drafter_weights(state, state["path"]))
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    resumed = Resumed(
-        int(state["step"]), Position(*state["position"]), float(state.get("tau", 1.0)), state["path"]
-    )
-    restore_rng(state)
-    return resumed
 
 
 # ------------------------------------------------------------------ start-up

@@ -53,7 +53,7 @@ from training.events import EventWriter, first_line
 from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
 from training.progress import report_to
 from training.run import core, warm
-from training.run.checkpoint import CheckpointWriter, check_resumable
+from training.run.checkpoint import CheckpointManager, check_finite, check_resumable
 from training.run.pipeline import (
     CREDIT,
     KIND_END,
@@ -281,8 +281,18 @@ class DrafterWorker(Worker):
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         self.optimizer, self.scheduler = core.build_optimizer(cfg, drafter)
-        # drafter 0 writes checkpoints in the background: the pipeline goes on meanwhile
-        self.checkpoints = CheckpointWriter(self.run_dir, cfg.checkpoint.keep)
+        self.drafter = drafter
+        # drafter 0 checks, sets aside and writes checkpoints (in the background: the pipeline goes
+        # on meanwhile); every drafter resumes from the step it chose
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            cfg,
+            self.checkpoint_state,
+            events=self.events,
+            echo=self._lead,
+            writes=ctx.index == 0,
+        )
+        chosen = self._agree_resume_step(self.checkpoints.check().step)
         self.compile_reporter: CounterReporter | None = None
         if core.compiles(cfg, ctx.device):
             self.events.phase("compile")
@@ -290,25 +300,27 @@ class DrafterWorker(Worker):
                 cfg, drafter, data.planner, ctx.device, echo=self._lead
             )
         self.step, self.last_tau = 0, 1.0
-        resumed = core.resume(
-            self.run_dir,
-            drafter,
-            self.optimizer,
-            self.scheduler,
-            map_location=ctx.device,
-            clean=ctx.index == 0,
+        resumed = self.checkpoints.resume(
+            drafter, self.optimizer, self.scheduler, map_location=ctx.device, step=chosen
         )
         if resumed is not None:
             self.step, self.last_tau = resumed.step, resumed.tau
             self.events.emit("resume", step=self.step, path=resumed.path)
             self._lead(f"Resumed from {resumed.path} at step {self.step}")
-        self.drafter = drafter
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(drafter, device_ids=device_ids, process_group=ctx.drafters)
         count = sum(p.numel() for p in core.trainable_parameters(drafter))
         self._lead(
             f"drafters: {ctx.topology.drafters} x {count / 1e6:.2f}M params (DDP), order={cfg.pipeline.order}"
         )
+
+    def _agree_resume_step(self, mine: int) -> int:
+        """Drafter 0's resume decision on every drafter (it alone verifies and sets aside)."""
+        if self.ctx.topology.drafters == 1:
+            return mine
+        step = torch.tensor([mine], dtype=torch.long)
+        dist.broadcast(step, src=self.ctx.topology.drafter_ranks[0], group=self.ctx.drafters_ctl)
+        return int(step.item())
 
     def _lead(self, text: str) -> None:
         if self.ctx.index == 0:
@@ -428,26 +440,22 @@ class DrafterWorker(Worker):
             if self.compile_reporter is not None:
                 self.compile_reporter.report(self.events)  # compile_cache: first step, then on change
             self.last_tau = result.tau
-            if self.ctx.index == 0 and not self.checkpoints.reserved:  # the optimizer's state exists now
-                self.checkpoints.reserve(self.checkpoint_state())
             now = time.monotonic()
             if self.step % cfg.train.log_every == 0 or self.step in (1, cfg.train.steps):
                 self._log_step(result, item, tokens / max(now - last, 1e-9))
             last = now
-            core.report_checkpoints(self.checkpoints, self.events, _say)
             self.balance.maybe_emit()
             if self._vote_stop():
+                check_finite(self.step, result.loss, result.grad_norm, self.checkpoints.last_saved)
                 stopped = True
                 break
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
-                self.checkpoint()
-                self.events.phase("train")
+            self.checkpoints.step_end(self.step, result.loss, result.grad_norm)
             if ticket is None and self.step < cfg.train.steps:
                 ticket = self.acquire(block=True)
-        self.checkpoint()
+        self.checkpoints.save(self.step)
         self._finish(STOP_SIGNAL if stopped else STOP_DONE, ticket)  # the targets stop while it is written
         self.balance.maybe_emit(force=True)
-        core.report_checkpoints(self.checkpoints, self.events, _say, wait=True)
+        self.checkpoints.wait()
         if stopped:
             self.events.phase("stopped")
             self._lead(f"stopped at step {self.step} (checkpointed)")
@@ -496,19 +504,6 @@ class DrafterWorker(Worker):
             **core.batch_shape(item.input_ids, item.lengths),
         )
 
-    def checkpoint(self) -> None:
-        if self.ctx.index != 0:
-            return
-        core.write_checkpoint(
-            self.run_dir,
-            self.step,
-            self.checkpoint_state(),
-            self.config.checkpoint.keep,
-            self.events,
-            _say,
-            self.checkpoints,
-        )
-
     def checkpoint_state(self) -> dict[str, Any]:
         return core.checkpoint_state(
             self.drafter,
@@ -553,7 +548,9 @@ def train_distributed(
     topology = parse_topology(topology_text or config.pipeline.topology, placement)
     _check_pipeline(config)
     run_dir = run_dir.resolve()
-    check_resumable(config, run_dir)  # every rank, before the rendezvous (rank 0 writes config.json after it)
+    # the config check on every rank before the rendezvous (rank 0 writes config.json after it);
+    # drafter 0 verifies the checkpoints in its setup
+    check_resumable(config, run_dir, verify=False)
     if os.environ.get("LOCAL_RANK") == "0":
         # transformers saves a model only on global rank 0 once torch.distributed is up, so each
         # host's first rank builds what its host lacks (the tiny model's folder) before joining.

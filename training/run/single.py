@@ -16,7 +16,6 @@ will find (``phase: stopped`` with ``during`` and ``resume_step``), exit 0 too.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import socket
 import time
@@ -42,7 +41,7 @@ from training.model.target import (
 )
 from training.progress import Progress, StopRequested, StopSignals, report_to
 from training.run import core, warm
-from training.run.checkpoint import CheckpointWriter, check_resumable, list_checkpoints
+from training.run.checkpoint import CheckpointManager, check_finite
 from training.run.eval import evaluate_acceptance
 from training.wandb_logger import NullLogger, make_logger
 
@@ -65,14 +64,22 @@ class Trainer:
         self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         self.target_s = 0.0  # the last step's target forward, with hidden_cache
         # checkpoints written in the background: training goes on while one is written
-        self.checkpoints = CheckpointWriter(self.run_dir, config.checkpoint.keep)
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            config,
+            self.checkpoint_state,
+            events=None if eval_only else self.events,
+            echo=print0,
+            writes=not eval_only,
+        )
         core.set_threads(config)
         if eval_only:  # `python -m training eval`: only phase/eval events, no run_start
             self.logger, logger_line = NullLogger("eval"), ""
             report_to(None, print0)
+            self.checkpoints.check(verify=True)  # the newest checkpoint that passes its check
             return
         report_to(self.events, print0)
-        check_resumable(config, self.run_dir)
+        self.checkpoints.check()  # before config.json is written: a changed config is refused
         self.logger, logger_line = make_logger(config, self.run_dir)
         write_config(config, self.run_dir)
         core.emit_run_start(
@@ -149,8 +156,8 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        resumed = core.resume(  # RNG states must stay on CPU
-            self.run_dir, self.drafter, self.optimizer, self.scheduler, map_location="cpu"
+        resumed = self.checkpoints.resume(  # RNG states must stay on CPU
+            self.drafter, self.optimizer, self.scheduler, map_location="cpu"
         )
         if resumed is None:
             return
@@ -217,14 +224,11 @@ class Trainer:
         )
 
     def checkpoint(self) -> None:
-        state = self.checkpoint_state()
-        core.write_checkpoint(
-            self.run_dir, self.step, state, self.config.checkpoint.keep, self.events, print0, self.checkpoints
-        )
+        self.checkpoints.save(self.step)
 
     def report_checkpoints(self, *, wait: bool = False) -> None:
         """The ``checkpoint`` events of the background writes that finished (``wait``: all)."""
-        core.report_checkpoints(self.checkpoints, self.events, print0, wait=wait)
+        self.checkpoints.report(wait=wait)
 
     def evaluate(self) -> None:
         cfg = self.config.eval
@@ -305,17 +309,13 @@ class Trainer:
                 if self.compiled:
                     self.compile_reporter.report(self.events)  # first step, then on any new compile
                 self.last_tau = result.tau
-                if not self.checkpoints.reserved:  # the first step made the optimizer's state
-                    self.checkpoints.reserve(self.checkpoint_state())
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps or self.step == 1:
                     self._log_step(result, batch, time.monotonic() - t0)
-                self.report_checkpoints()
                 if self.signals.requested is not None:
+                    check_finite(self.step, result.loss, result.grad_norm, self.checkpoints.last_saved)
                     return self._stop(last_saved)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.checkpoint()
-                    last_saved = self.step
-                    self._phase("train")
+                self.checkpoints.step_end(self.step, result.loss, result.grad_norm)  # cadence saves
+                last_saved = self.checkpoints.last_saved
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                     self.evaluate()
                     self._phase("train")
@@ -337,7 +337,7 @@ class Trainer:
     def wait_checkpoints(self) -> None:
         """Wait for the background checkpoint writes (reporting them), with progress while one is
         still being written."""
-        if self.checkpoints.busy:
+        if self.checkpoints.writer.busy:
             with Progress("checkpoint", "writing the checkpoint", 1, "files"):
                 self.report_checkpoints(wait=True)
         else:
@@ -357,8 +357,7 @@ class Trainer:
     def stopped_in_setup(self) -> int:
         """A stop signal came while setting up (data, target, drafter, compile): nothing was trained
         in this launch, so there is nothing to checkpoint; say what a resume will find."""
-        newest = list_checkpoints(self.run_dir)
-        resume_step = newest[-1][0] if newest else 0
+        resume_step = self.checkpoints.point.step
         self.events.emit("phase", phase="stopped", during=self.phase, resume_step=resume_step)
         found = f"resumes after step {resume_step}" if resume_step else "starts at step 1 (no checkpoint)"
         print0(f"stopped during {self.phase}, before training: nothing to checkpoint; `fab train` {found}")
@@ -367,8 +366,7 @@ class Trainer:
     def close(self) -> None:
         # a write in flight completes even when training failed; a failed write has raised in
         # train() already, and on an error path the training error is the one to report
-        with contextlib.suppress(Exception):
-            self.checkpoints.wait()
+        self.checkpoints.close()
         self.signals.restore()
         report_to(None)
         self.logger.finish()

@@ -15,6 +15,7 @@ import torch
 
 from training.config import load_config
 from training.run.checkpoint import (
+    CheckpointManager,
     CheckpointWriter,
     checkpoint_dir,
     checkpoint_path,
@@ -263,7 +264,9 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(tm
     assert [s for s, _ in list_checkpoints(run_dir)] == [1]
     model = torch.nn.Linear(8, 8)
     optimizer, scheduler = core.build_optimizer(load_config("tiny-cpu"), model)
-    resumed = core.resume(run_dir, model, optimizer, scheduler, map_location="cpu")
+    manager = CheckpointManager(run_dir, load_config("tiny-cpu"), dict, events=None, echo=print)
+    assert manager.check().step == 1
+    resumed = manager.resume(model, optimizer, scheduler, map_location="cpu")
     assert resumed is not None and resumed.step == 1 and resumed.position.index == 1
     assert torch.equal(model.weight, torch.ones(8, 8))
     assert not checkpoint_dir(run_dir).joinpath(temps[0].name).exists()  # resume removed it

@@ -165,3 +165,31 @@ def _run_with(run_dir: Path, steps: int, cache: Path, *extra: str) -> None:
     argv = [*_argv(run_dir, steps), *extra]
     result = subprocess.run(argv, cwd=REPO, env=_env(cache), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_non_finite_loss_fails_the_run_before_it_checkpoints_and_is_not_retried(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    from fleet.remote.run_cause import first_cause
+    from fleet.status.diagnose import NOT_RETRYABLE, diagnose
+
+    run_dir = tmp_path / "run"
+    argv = [*_argv(run_dir, 6), "--checkpoint.every=1", "--checkpoint.keep=10", "--train.lr=1e12"]
+    argv += ["--train.warmup_steps=1"]  # a learning rate no model survives: the loss overflows
+    result = subprocess.run(argv, cwd=REPO, env=_env(tiny_cache), capture_output=True, text=True)
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    bad = int(line.split("non-finite loss at step ")[1].split()[0])
+    assert bad >= 2 and f"the last good checkpoint is step {bad - 1}" in line, line
+    # nothing written at or after the bad step; the earlier ones kept
+    assert [s for s, _ in list_checkpoints(run_dir)] == list(range(1, bad))
+    events = read_events(run_dir / "events.jsonl")
+    assert [e["phase"] for e in events if e["event"] == "phase"][-1] == "error"
+    (error,) = [e for e in events if e["event"] == "error"]
+    assert error["type"] == "NonFiniteLoss" and error["message"].startswith(f"non-finite loss at step {bad} ")
+    # fab status's diagnosis, and the restart policy's (remote/run.sh -> run_cause.py) reading of the log
+    (found,) = diagnose(result.stdout + result.stderr, events)
+    assert found.signature == "non-finite-loss" and f"at step {bad}" in found.cause
+    rows = "\n".join(f"{sig}\t{pattern}" for sig, pattern in NOT_RETRYABLE)
+    assert first_cause(result.stdout + result.stderr, rows) == "non-finite-loss"
