@@ -16,6 +16,7 @@ At the end the session fails if a process it started is still alive (``testkit.l
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 
@@ -29,6 +30,9 @@ __all__ = ["hosts", "llama_build", "local_tmux", "remote_fleet"]
 TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "gguf"}
 
 
+_OWNS_MARKER = pytest.StashKey[bool]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -38,6 +42,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "own_container: uses the test host only through a container of its own"
     )
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        # A pytest run by a test (tests/hosts/test_fixtures.py) inherits the outer session's
+        # marker: its leftovers would be the outer session's own workers, so only the session
+        # that made the marker checks for them.
+        config.stash[_OWNS_MARKER] = testkit.SESSION_ENV not in os.environ
         testkit.start_session_marker()
 
 
@@ -93,7 +101,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
     """After everything else (xdist's workers are gone): fail the session on a process left behind."""
     result = yield
-    if hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput") or not session.config.stash.get(_OWNS_MARKER, False):
         return result
     left = testkit.leftovers()
     if left:

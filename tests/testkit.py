@@ -430,11 +430,12 @@ def leftovers(grace: float = 15.0) -> list[Proc]:
     Waits up to ``grace`` seconds for processes on their way out."""
     marker = f"{SESSION_ENV}={os.environ.get(SESSION_ENV, '')}\0".encode()
     names = _test_containers()
+    mine = ancestors(os.getpid())  # this session and what started it are never leftovers
     deadline = time.monotonic() + grace
     while True:
         found = []
         for pid, proc in _processes():
-            if _is_zombie(proc):
+            if _is_zombie(proc) or pid in mine:
                 continue
             where = ""
             if os.environ.get(SESSION_ENV) and marker in _read(proc / "environ"):
@@ -447,6 +448,19 @@ def leftovers(grace: float = 15.0) -> list[Proc]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def ancestors(pid: int) -> set[int]:
+    """``pid`` and every process above it (``/proc/N/stat``'s parent field)."""
+    found = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
+        try:
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            break
+    return found
 
 
 def kill(procs: Sequence[Proc]) -> None:
