@@ -21,6 +21,7 @@ A failed build removes its staging dir and leaves ``current`` as it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -34,8 +35,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -463,6 +466,60 @@ def _info(target: Target, name: str, manifest: dict[str, Any], built: bool) -> E
     )
 
 
+@contextlib.contextmanager
+def build_lock(target: Target, name: str) -> Iterator[None]:
+    """Hold the build lock of env ``name`` on ``target`` for the ``with`` block.
+
+    Parallel first deploys would each download and install the same env; under the lock the second
+    one waits, then its reuse check finds the first one's build. The lock is an flock held by a
+    command whose stdin this controller keeps open (``env_lock.sh``): it ends with this block, or
+    with this process or its connection, so a dead deploy never leaves a stale lock behind.
+    """
+    envs = target.spec.layout.envs
+    lock = posixpath.join(envs, f".build-{name}.lock")
+    token = secrets.token_hex(8)
+    released = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def held_open() -> Iterator[bytes]:
+        released.wait()
+        yield from ()
+
+    def hold() -> None:
+        try:
+            outcome["result"] = target.run(
+                remote.sh("env_lock.sh", lock, token), stdin=held_open(), check=False
+            )
+        except Exception as err:  # surfaced by the waiting loop below, in the caller's thread
+            outcome["error"] = err
+
+    target.run(["mkdir", "-p", "--", envs])  # also opens the connection before a second thread uses it
+    holder = threading.Thread(target=hold, name=f"env-lock-{name}", daemon=True)
+    holder.start()
+    waiting = False
+    try:
+        while target.run(["cat", "--", lock], check=False).stdout.strip() != token:
+            if not holder.is_alive():
+                if "error" in outcome:
+                    raise outcome["error"]
+                res: CommandResult = outcome["result"]
+                raise EnvError(
+                    f"{target.name}: could not take the build lock of env {name} ({lock}, exit "
+                    f"{res.exit_code}): {tail_lines(res.stderr or res.stdout, 1)}"
+                )
+            if not waiting:
+                print(
+                    f"{target.name}: another deploy is building env {name}; waiting for it ({lock})",
+                    flush=True,
+                )
+                waiting = True
+            time.sleep(0.5)
+        yield
+    finally:
+        released.set()
+        holder.join(30)
+
+
 def build_env(target: Target, env_def: EnvDef, *, reuse: bool = True) -> EnvInfo:
     """Build ``env_def`` on ``target`` and make it current; the old current becomes ``previous``.
 
@@ -475,73 +532,76 @@ def build_env(target: Target, env_def: EnvDef, *, reuse: bool = True) -> EnvInfo
     def_dir = posixpath.join(staging, DEF_DIR)
     venv = posixpath.join(staging, "venv")
     finalized = False
-    try:
-        target.put_tar(io.BytesIO(def_tar(env_def)), def_dir)
-        uv, tmux = prov.provision()
-        interp = prov.python_facts(uv, env_def, posixpath.join(def_dir, "env_probe.py"))
-        ehash = env_hash(env_def.lock, interp)
-        final_base = layout.env_dir(env_def.name, ehash)
-        if reuse:
-            res = _probe(target, final_base, "rollback", final_base, env_def.name)
-            if res.exit_code == 0:  # a verified earlier build of this hash: switch back to it
-                return _info(target, env_def.name, _loads(target, res, "rollback")["manifest"], built=False)
-        size = (
-            " (with torch: ~3 GB to download into an empty uv cache, ~6 GB on disk)"
-            if env_def.has_torch
-            else ""
-        )
-        print(
-            f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']}){size}",
-            flush=True,
-        )
-        sync = [uv, "sync", "--locked", "--no-install-project", "--link-mode", LINK_MODE]
-        argv = remote.sh("env_sync.sh", uv, interp["executable"], venv, *sync)
-        # Captured, not streamed: uv's failure is a page of causes; the user gets one line from it,
-        # and the whole output stays in a log on the target.
-        res = target.run(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
-        if res.exit_code != 0:
-            log = posixpath.join(layout.envs, env_def.name, "build-failed.log")
-            target.run(remote.sh("save_stdin.sh", log), stdin=res.stderr.encode(), check=False)
-            raise EnvError(
-                f"{target.name}: `uv sync --locked` of envs/{env_def.name} failed: "
-                f"{explain_uv_failure(res.stderr, env_def.name)}; the current env is unchanged "
-                f"(uv's output: {log})"
+    with build_lock(target, env_def.name):
+        try:
+            target.put_tar(io.BytesIO(def_tar(env_def)), def_dir)
+            uv, tmux = prov.provision()
+            interp = prov.python_facts(uv, env_def, posixpath.join(def_dir, "env_probe.py"))
+            ehash = env_hash(env_def.lock, interp)
+            final_base = layout.env_dir(env_def.name, ehash)
+            if reuse:
+                res = _probe(target, final_base, "rollback", final_base, env_def.name)
+                if res.exit_code == 0:  # a verified earlier build of this hash: switch back to it
+                    return _info(
+                        target, env_def.name, _loads(target, res, "rollback")["manifest"], built=False
+                    )
+            size = (
+                " (with torch: ~3 GB to download into an empty uv cache, ~6 GB on disk)"
+                if env_def.has_torch
+                else ""
             )
-        synced = time.monotonic()
-        installed = re.search(r"^Installed (\d+) packages? in (.+)$", res.stderr, re.MULTILINE)
-        manifest = _verify(target, env_def, venv, def_dir)
-        manifest.update(
-            env=env_def.name,
-            env_hash=ehash,
-            lock_sha256=env_def.lock_sha256,
-            python=interp["version"],
-            platform=f"{interp['system']}-{interp['machine']}-{interp['libc']}",
-            uv=uv,
-            tmux=tmux,
-            built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            build_seconds=round(time.monotonic() - started, 1),
-            verified=True,
-        )
-        probe = [posixpath.join(venv, "bin", "python"), "-I", posixpath.join(def_dir, "env_probe.py")]
-        data = json.dumps(manifest).encode()
-        res = target.run([*probe, "finalize", staging, final_base, env_def.name], stdin=data, check=False)
-        done = _loads(target, res, "finalize")
-        if res.exit_code != 0:
-            raise EnvError(f"{target.name}: the new env could not be put in place: {done.get('error')}")
-        finalized = True  # the probe removed the staging dir
-        # The whole build's time: uv's "Installed N packages in 14s" leaves out resolving, downloading,
-        # the venv and the verification, most of a first build.
-        packages = f"{installed[1]} packages, " if installed else ""
-        ended = time.monotonic()
-        print(
-            f"{target.name}: built env {env_def.name}-{ehash} in {ended - started:.0f}s "
-            f"({packages}set-up and uv sync {synced - started:.0f}s, verification {ended - synced:.0f}s)",
-            flush=True,
-        )
-        return _info(target, env_def.name, done["manifest"], built=True)
-    finally:
-        if not finalized:
-            target.run(["rm", "-rf", "--", staging], check=False)
+            print(
+                f"{target.name}: building env {env_def.name}-{ehash} (python {interp['version']}){size}",
+                flush=True,
+            )
+            sync = [uv, "sync", "--locked", "--no-install-project", "--link-mode", LINK_MODE]
+            argv = remote.sh("env_sync.sh", uv, interp["executable"], venv, *sync)
+            # Captured, not streamed: uv's failure is a page of causes; the user gets one line from it,
+            # and the whole output stays in a log on the target.
+            res = target.run(argv, env=prov.uv_env(UV_PROJECT_ENVIRONMENT=venv), cwd=def_dir, check=False)
+            if res.exit_code != 0:
+                log = posixpath.join(layout.envs, env_def.name, "build-failed.log")
+                target.run(remote.sh("save_stdin.sh", log), stdin=res.stderr.encode(), check=False)
+                raise EnvError(
+                    f"{target.name}: `uv sync --locked` of envs/{env_def.name} failed: "
+                    f"{explain_uv_failure(res.stderr, env_def.name)}; the current env is unchanged "
+                    f"(uv's output: {log})"
+                )
+            synced = time.monotonic()
+            installed = re.search(r"^Installed (\d+) packages? in (.+)$", res.stderr, re.MULTILINE)
+            manifest = _verify(target, env_def, venv, def_dir)
+            manifest.update(
+                env=env_def.name,
+                env_hash=ehash,
+                lock_sha256=env_def.lock_sha256,
+                python=interp["version"],
+                platform=f"{interp['system']}-{interp['machine']}-{interp['libc']}",
+                uv=uv,
+                tmux=tmux,
+                built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                build_seconds=round(time.monotonic() - started, 1),
+                verified=True,
+            )
+            probe = [posixpath.join(venv, "bin", "python"), "-I", posixpath.join(def_dir, "env_probe.py")]
+            data = json.dumps(manifest).encode()
+            res = target.run([*probe, "finalize", staging, final_base, env_def.name], stdin=data, check=False)
+            done = _loads(target, res, "finalize")
+            if res.exit_code != 0:
+                raise EnvError(f"{target.name}: the new env could not be put in place: {done.get('error')}")
+            finalized = True  # the probe removed the staging dir
+            # The whole build's time: uv's "Installed N packages in 14s" leaves out resolving, downloading,
+            # the venv and the verification, most of a first build.
+            packages = f"{installed[1]} packages, " if installed else ""
+            ended = time.monotonic()
+            print(
+                f"{target.name}: built env {env_def.name}-{ehash} in {ended - started:.0f}s "
+                f"({packages}set-up and uv sync {synced - started:.0f}s, verification {ended - synced:.0f}s)",
+                flush=True,
+            )
+            return _info(target, env_def.name, done["manifest"], built=True)
+        finally:
+            if not finalized:
+                target.run(["rm", "-rf", "--", staging], check=False)
 
 
 def _verify(target: Target, env_def: EnvDef, venv: str, def_dir: str) -> dict[str, Any]:

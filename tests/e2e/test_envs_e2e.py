@@ -14,6 +14,7 @@ import subprocess
 from typing import TYPE_CHECKING
 
 import pytest
+import testkit
 
 from fleet import envs
 from fleet.errors import EnvError
@@ -130,3 +131,31 @@ def test_env_build_drift_rebuild_fail_rollback(remote_fleet: RemoteFleet) -> Non
     third = readlink(hosts, f"{envs_dir}/smoke/current")
     left = set(ct(hosts, "ls", "-A", envs_dir).stdout.split())
     assert {third[3:], second[3:]} <= left and first[3:] not in left, gc.stdout
+
+
+def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet) -> None:
+    """Three `fab deploy` at once into a workdir without the env: one builds it, the others wait
+    for that build under the env's lock and reuse it; one build on disk, no stale lock."""
+    fleet, hosts = remote_fleet, remote_fleet.hosts
+    envs_dir = f"{fleet.workdir}/envs"
+    fleet.write(env="smoke")
+    procs = [
+        testkit.fab_popen(
+            "deploy", config=fleet.config, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out + err
+        outs.append(out + err)
+    building = [line for out in outs for line in out.splitlines() if "building env smoke-" in line]
+    assert len(building) == 1, outs
+    assert sum("another deploy is building env smoke" in out for out in outs) >= 1, outs
+    builds = ct(hosts, "ls", "--", envs_dir).stdout.split()
+    assert len([b for b in builds if b.startswith("smoke-")]) == 1, builds
+    assert imports(hosts, envs_dir) == 0
+    # The lock went with the deploys: a fourth one takes it at once.
+    again = ok(fleet.fab("deploy"))
+    assert "another deploy is building" not in again.stdout + again.stderr
