@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -351,12 +352,17 @@ def corrupt_state_files(s: Suite) -> tuple[int, int, str]:
         ("pgid", "-1 1"),
         ("attempts.jsonl", "[[["),
         ("events.jsonl", "\x00\x01garbage\n{"),
+        ("pid", "1 2 3\n"),
+        ("config.json", "[]"),
     ]:
         s.ct("sh", "-c", 'printf "%s" "$1" > "$2"', "x", junk, f"{run_dir}/{name}")
         for args in (("status", "--json"), ("runs",), ("logs",)):
             res = s.fab(*args)
             wrong += int(res.returncode not in (0, 1, 5, 10, 11, 12, 13))
-    return int(not s.runs()), wrong, "5 files x status/runs/logs"
+    s.ct("sh", "-c", 'rm -f "$1" && printf junk > "$1"', "x", f"{s.workdir}/runs/latest")
+    again = s.fab("train", "--no-warm")  # over a junk runs/latest: a new run, or one clear refusal
+    wrong += int(again.returncode not in (0, 2, 5))
+    return int(not s.runs()), wrong, "7 files x status/runs/logs; runs/latest junk, then train"
 
 
 def hostile_override(s: Suite) -> tuple[int, int, str]:
@@ -409,6 +415,292 @@ def parallel_trains(s: Suite) -> tuple[int, int, str]:
     return 0, wrong, f"exits {sorted(codes)}, {len(live)} live"
 
 
+# ------------------------------------------------------------------ the real trainer: tiny-cpu, env local-cpu
+
+TINY_STEPS = 40
+TINY = {
+    "module": "training",
+    "config": "tiny-cpu",
+    "overrides": [
+        f"--train.steps={TINY_STEPS}",
+        "--checkpoint.every=4",
+        "--checkpoint.keep=3",
+        "--train.log_every=1",
+        "--eval.num_prompts=0",
+        "--data.corpus_files=60",
+    ],
+}
+UV_CACHE = "/workspace/.fleet-test-uv-cache"  # the e2e tests' cache: torch is large
+RESUMED = re.compile(r"run (\S+) resumed at step (\d+) from checkpoint (\S+)")
+
+
+def tiny(s: Suite, *extra: str, **run: Any) -> None:
+    overrides = [*TINY["overrides"], *extra]
+    s.reset(
+        env="local-cpu",
+        uv_cache=UV_CACHE,
+        run={**TINY, "overrides": overrides, "env": {"FLEET_FAULT_SECRET": s.secret}, **run},
+    )
+
+
+def events(s: Suite, run_dir: str) -> list[dict[str, Any]]:
+    path = s.hosts.ct_path(f"{run_dir}/events.jsonl")
+    out = []
+    for line in (path.read_text(errors="replace") if path.exists() else "").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def last_step(s: Suite, run_dir: str) -> int:
+    steps = [e.get("step", 0) for e in events(s, run_dir) if e.get("event") == "step"]
+    return steps[-1] if steps else 0
+
+
+def saved_steps(s: Suite, run_dir: str) -> list[int]:
+    return sorted(int(p.name[5:13]) for p in s.hosts.ct_path(f"{run_dir}/checkpoints").glob("step-*.pt"))
+
+
+def final_state(s: Suite, timeout: float) -> dict[str, Any]:
+    holder: dict[str, Any] = {}
+
+    def done() -> bool:
+        holder["st"] = s.status()
+        return holder["st"].get("state") in FINAL and holder["st"].get("alive") is False
+
+    s.wait(done, timeout)
+    return holder.get("st", {})
+
+
+def start_tiny(s: Suite, at: int) -> str:
+    """Deploy + train the tiny run, wait for step ``at``; its run dir ("" when it never got there)."""
+    s.fab("deploy", "train", "--no-warm", timeout=1800)
+    run_dir = f"{s.workdir}/runs/{s.latest()}"
+    alive = s.wait(lambda: last_step(s, run_dir) >= at or s.status().get("alive") is False, 1200)
+    return run_dir if alive and last_step(s, run_dir) >= at else ""
+
+
+def damaged_checkpoints(s: Suite) -> tuple[int, int, str]:
+    tiny(s)
+    run_dir = start_tiny(s, 9)
+    if not run_dir:
+        return 0, 1, "the run never reached step 9"
+    lost = wrong = 0
+    notes = []
+    for at, damage, reason in ((9, "overwrite", "sha256 mismatch"), (18, "truncate", "truncated")):
+        if not s.wait(lambda at=at: last_step(s, run_dir) >= at, 1200):
+            return lost, wrong + 1, f"never reached step {at}"
+        if s.fab("stop").returncode == 5:
+            final_state(s, 120)
+        saved = saved_steps(s, run_dir)
+        if len(saved) < 2:
+            return 0, 1, f"checkpoints {saved}"
+        bad, previous = saved[-1], saved[-2]
+        newest = f"{run_dir}/checkpoints/step-{bad:08d}.pt"
+        size = s.hosts.ct_path(newest).stat().st_size
+        if damage == "overwrite":
+            s.ct(
+                "dd",
+                "if=/dev/urandom",
+                f"of={newest}",
+                "bs=4096",
+                "count=1",
+                f"seek={size // 8192}",
+                "conv=notrunc",
+            )
+        else:
+            s.ct("truncate", "-s", str(size // 2), newest)
+        res = s.fab("train", "--no-warm", timeout=600)
+        named = [
+            ln
+            for ln in res.stdout.splitlines()
+            if f"checkpoint step {bad} (" in ln and "failed its check" in ln
+        ]
+        m = RESUMED.search(res.stdout)
+        wrong += int(res.returncode != 0 or len(named) != 1 or reason not in "".join(named))
+        wrong += int(not m or int(m.group(2)) != previous + 1)
+        aside = s.hosts.ct_path(f"{newest}.bad")
+        lost += int(not s.wait(aside.exists, 600))
+        lost += int(not s.hosts.ct_path(f"{run_dir}/checkpoints/step-{previous:08d}.pt").exists())
+        notes.append(f"{damage}: step {bad} set aside, resumed at {m.group(2) if m else '?'}")
+    st = final_state(s, 1500)
+    wrong += int(st.get("state") != "finished" or st.get("step") != TINY_STEPS)
+    lost += int(len(list(s.hosts.ct_path(f"{run_dir}/checkpoints").glob("*.pt.bad"))) != 2)
+    return lost, wrong, "; ".join(notes) + f"; {st.get('state')} at {st.get('step')}"
+
+
+def nan_loss_with_restarts(s: Suite) -> tuple[int, int, str]:
+    tiny(
+        s,
+        "--checkpoint.every=1",
+        "--train.lr=1e12",
+        "--train.warmup_steps=1",
+        restart={"max": 2, "backoff_s": 1},
+    )
+    s.fab("deploy", "train", "--no-warm", timeout=1800)
+    st = final_state(s, 1500)
+    run_dir = f"{s.workdir}/runs/{st.get('run_id', s.latest())}"
+    diag = (st.get("diagnosis") or [{}])[0]
+    m = re.search(r"at step (\d+)", str(diag.get("cause", "")))
+    wrong = int(st.get("state") != "failed" or st.get("attempt") != 1)
+    wrong += int(st.get("last_cause") != "non-finite-loss (not retryable)" or not m)
+    bad = int(m.group(1)) if m else 0
+    lost = int(saved_steps(s, run_dir) != list(range(1, bad)))
+    return lost, wrong, f"failed at step {bad}, attempt {st.get('attempt')}, checkpoints 1..{bad - 1} kept"
+
+
+def kill_mid_checkpoint(s: Suite) -> tuple[int, int, str]:
+    tiny(s, "--checkpoint.every=1")
+    run_dir = start_tiny(s, 4)
+    if not run_dir:
+        return 0, 1, "the run never reached step 4"
+    folder = s.hosts.ct_path(f"{run_dir}/checkpoints")
+    caught = s.wait(lambda: any(p.name.endswith(".tmp") for p in folder.iterdir()), 120)
+    pgid = s.ct("cat", f"{run_dir}/pgid").stdout.strip()
+    s.ct("kill", "-s", "KILL", "--", f"-{pgid}")
+    st = final_state(s, 60)
+    wrong = int(st.get("state") != "failed")
+    kept = saved_steps(s, run_dir)
+    res = s.fab("train", "--no-warm", timeout=600)
+    m = RESUMED.search(res.stdout)
+    wrong += int(res.returncode != 0 or not m or not kept or int(m.group(2)) != kept[-1] + 1)
+    s.wait(lambda: last_step(s, run_dir) > (kept[-1] if kept else 0) + 1, 900)
+    left = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    wrong += int(
+        bool(left) and not s.wait(lambda: not any(p.name.endswith(".tmp") for p in folder.iterdir()), 60)
+    )
+    return (
+        int(not kept),
+        wrong,
+        f"{'mid-write' if caught else 'between writes'}; resumed at {m.group(2) if m else '?'}",
+    )
+
+
+# ------------------------------------------------------------------ disks, SSH, hostile workdirs
+
+
+def tmpfs(s: Suite, path: str, size: str) -> None:
+    s.ct("mkdir", "-p", path)
+    s.ct("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path)
+
+
+def untmpfs(s: Suite, path: str) -> None:
+    s.ct("umount", "-l", path)
+
+
+def disk_full_at_deploy(s: Suite) -> tuple[int, int, str]:
+    s.reset()
+    s.fab("deploy")  # a good release first: a failed deploy must leave it current
+    before = s.ct("readlink", f"{s.workdir}/current").stdout.strip()
+    full = f"{s.workdir}-full"
+    tmpfs(s, full, "64k")
+    try:
+        s.ct("sh", "-c", 'cp -a "$1"/. "$2"/ 2>/dev/null; true', "x", s.workdir, full)
+        s.reset()
+        s.target["workdir"] = full
+        s.config.write_text(render_inventory({"ct200": s.target}, "ct200"))
+        res = s.fab("deploy")
+        wrong = int(
+            res.returncode == 0
+            or "disk" not in res.stderr.lower()
+            or len(res.stderr.strip().splitlines()) != 1
+        )
+    finally:
+        untmpfs(s, full)
+        s.ct("rm", "-rf", "--", full)
+        s.reset()
+    after = s.ct("readlink", f"{s.workdir}/current").stdout.strip()
+    return int(after != before or not before), wrong, f"exit {res.returncode}: {res.stderr.strip()[:90]}"
+
+
+def disk_full_at_launch(s: Suite) -> tuple[int, int, str]:
+    s.reset(
+        run={
+            **ct200_target(s.hosts, s.workdir)["run"],
+            "overrides": SHORT_RUN,
+            "env": {"FLEET_FAULT_SECRET": s.secret},
+        }
+    )
+    s.fab("deploy")
+    runs = f"{s.workdir}/runs"
+    tmpfs(s, runs, "8k")
+    s.ct("sh", "-c", 'dd if=/dev/zero of="$1/.fill" bs=1k count=64 2>/dev/null; true', "x", runs)
+    try:
+        res = s.fab("train", "--no-warm")
+        wrong = int(res.returncode == 0 or "disk" not in (res.stdout + res.stderr).lower())
+        left = s.runs()
+    finally:
+        untmpfs(s, runs)
+    return 0, wrong + int(bool(left)), f"exit {res.returncode}, run dirs left {len(left)}"
+
+
+def disk_full_at_env_build(s: Suite) -> tuple[int, int, str]:
+    s.reset(env="smoke")
+    envs = f"{s.workdir}/envs"
+    tmpfs(s, envs, "2m")
+    try:
+        res = s.fab("deploy", timeout=600)
+        line = res.stderr.strip()
+        wrong = int(res.returncode == 0 or "space" not in line.lower() or "Traceback" in line)
+        current = s.ct("test", "-e", f"{envs}/smoke/current").returncode == 0
+    finally:
+        untmpfs(s, envs)
+        s.reset()
+    return 0, wrong + int(current), f"exit {res.returncode}: {line.splitlines()[-1][:90] if line else ''}"
+
+
+def parallel_first_deploys(s: Suite) -> tuple[int, int, str]:
+    s.reset(env="smoke")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(FLEET_CONFIG=str(s.config))
+    procs = [
+        subprocess.Popen(
+            [str(FAB), "deploy"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    codes, builds = [], 0
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        s.outputs.append(out + err)
+        codes.append(p.returncode)
+        builds += (out + err).count("building env smoke-")
+    on_disk = [n for n in s.ct("ls", "--", f"{s.workdir}/envs").stdout.split() if n.startswith("smoke-")]
+    s.reset()
+    return 0, int(codes != [0, 0, 0] or builds != 1 or len(on_disk) != 1), f"exits {codes}, {builds} build(s)"
+
+
+def sshd_down(s: Suite) -> tuple[int, int, str]:
+    s.reset()
+    s.target["host"] = f"{s.hosts.ssh_user}@127.0.0.1:1"  # nothing listens there: sshd down
+    s.config.write_text(render_inventory({"ct200": s.target}, "ct200"))
+    res = s.fab("status")
+    line = res.stderr.strip()
+    ok = res.returncode == 3 and len(line.splitlines()) == 1 and "127.0.0.1" in line
+    s.reset()
+    return 0, int(not ok), line[:100]
+
+
+def hostile_workdir(s: Suite) -> tuple[int, int, str]:
+    pwn = f"/tmp/{s.label}-pwned-wd"
+    s.reset(
+        run={
+            **ct200_target(s.hosts, s.workdir)["run"],
+            "overrides": SHORT_RUN,
+            "env": {"FLEET_FAULT_SECRET": s.secret},
+        }
+    )
+    s.target["workdir"] = f"{s.workdir}/a b;$(touch {pwn})`touch {pwn}`'\""
+    s.config.write_text(render_inventory({"ct200": s.target}, "ct200"))
+    s.fab("deploy", "train", "--no-warm")
+    st = final_state(s, 60)
+    injected = s.ct("test", "-e", pwn).returncode == 0
+    s.reset()
+    return 0, int(injected) + int(st.get("state") != "finished"), f"no shell ran it; run {st.get('state')}"
+
+
 SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "notify url with a control character": notify_bad_url,
     "notify header outside latin-1": notify_bad_header,
@@ -424,11 +716,32 @@ SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "corrupt state files": corrupt_state_files,
     "hostile overrides ($(), backticks, ;)": hostile_override,
     "three parallel `fab train`": parallel_trains,
+    "hostile workdir (space, ;, $(), backticks, quotes)": hostile_workdir,
+    "sshd down": sshd_down,
+    "disk full at deploy (workdir on a 64 KB tmpfs)": disk_full_at_deploy,
+    "disk full at launch (runs/ on a full tmpfs)": disk_full_at_launch,
+    "disk full at env build (envs/ on a 2 MB tmpfs)": disk_full_at_env_build,
+    "three parallel first deploys of an env": parallel_first_deploys,
+    "newest checkpoint overwritten (4 KB), later one truncated": damaged_checkpoints,
+    "non-finite loss with a restart policy": nan_loss_with_restarts,
+    "kill -9 of the trainer mid-checkpoint-write": kill_mid_checkpoint,
 }
-PENDING = {
-    "corrupt / truncated newest checkpoint (w-ckpt)": "pending: verified checkpoints are w-ckpt's",
-    "parallel first deploys build the env once": "not done: no lock around the env build yet",
-}
+PENDING: dict[str, str] = {}
+# What goes between scenarios: runs/ and every env but the torch one (thousands of files, reused).
+BETWEEN_SCENARIOS = (
+    "-mindepth",
+    "1",
+    "-maxdepth",
+    "2",
+    "(",
+    "-path",
+    "*/runs",
+    "-o",
+    "-path",
+    "*/envs/*",
+    ")",
+)
+BETWEEN_SCENARIOS += ("!", "-name", "local-cpu*", "-exec", "rm", "-rf", "--", "{}", "+")
 
 
 def sample_ps(s: Suite, stop: threading.Event) -> None:
@@ -497,7 +810,8 @@ def main() -> int:
                     note=f"{note} ({time.time() - started:.0f} s)",
                 )
             )
-            suite.ct("rm", "-rf", "--", f"{suite.workdir}/runs", f"{suite.workdir}/envs")
+            # The torch env (thousands of files) stays for the next trainer scenario; the rest goes.
+            suite.ct("find", suite.workdir, *BETWEEN_SCENARIOS)
             r = rows[-1]
             print(
                 f"{r.fault}: lost {r.lost}, secrets {r.secrets}, tracebacks {r.tracebacks}, "
