@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import testkit
 
 from fleet import remote
 from fleet.remote import Answer, parse_answers
@@ -52,3 +53,36 @@ def test_a_prelude_script_under_dash_is_read_by_the_one_parser(tmp_path: Path) -
 def test_parse_answers_framing() -> None:
     text = "noise\n@@fleet a 0\nx\n\n@@fleet b 12\n@@fleet c nope\ny\n"
     assert parse_answers(text) == {"a": Answer(0, "x"), "b": Answer(12, ""), "c": Answer(-1, "y")}
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_env_lock_holds_until_its_stdin_ends(shell: str, tmp_path: Path) -> None:
+    """env_lock.sh: the first holder writes its token; a second waits, and takes the lock only when
+    the first one's stdin ends (the controller done, or gone); a killed holder releases it too."""
+    if shutil.which(shell) is None or shutil.which("flock") is None:
+        pytest.skip(f"{shell} or flock missing")
+    lock = tmp_path / "envs" / ".build-smoke.lock"
+
+    def holder(token: str) -> subprocess.Popen[bytes]:
+        argv = remote.sh("env_lock.sh", str(lock), token)
+        return subprocess.Popen([shell, *argv[1:]], stdin=subprocess.PIPE)
+
+    def holds(token: str) -> bool:
+        return lock.exists() and lock.read_text().strip() == token
+
+    first = holder("first")
+    testkit.wait_for("the first holder", lambda: holds("first"))
+    second = holder("second")
+    third = holder("third")
+    assert second.poll() is None and holds("first")  # waiting, not failed, and not taken
+    assert first.stdin is not None
+    first.stdin.close()
+    assert first.wait(timeout=30) == 0
+    testkit.wait_for("a waiting holder to take it", lambda: holds("second") or holds("third"))
+    taker, waiter = (second, third) if holds("second") else (third, second)
+    taker.kill()  # a holder that dies (its connection lost) releases the lock with it
+    taker.wait(timeout=30)
+    testkit.wait_for("the last holder", lambda: holds("third" if waiter is third else "second"))
+    assert waiter.stdin is not None
+    waiter.stdin.close()
+    assert waiter.wait(timeout=30) == 0
