@@ -355,7 +355,7 @@ def corrupt_state_files(s: Suite) -> tuple[int, int, str]:
         ("pid", "1 2 3\n"),
         ("config.json", "[]"),
     ]:
-        s.ct("sh", "-c", 'printf "%s" "$1" > "$2"', "x", junk, f"{run_dir}/{name}")
+        s.hosts.ct_path(f"{run_dir}/{name}").write_bytes(junk.encode())  # NUL bytes cannot go in an argv
         for args in (("status", "--json"), ("runs",), ("logs",)):
             res = s.fab(*args)
             wrong += int(res.returncode not in (0, 1, 5, 10, 11, 12, 13))
