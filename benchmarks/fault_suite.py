@@ -722,7 +722,7 @@ SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "sshd down": sshd_down,
     "disk full at deploy (workdir on a 64 KB tmpfs)": disk_full_at_deploy,
     "disk full at launch (runs/ on a full tmpfs)": disk_full_at_launch,
-    "disk full at env build (envs/ on a 2 MB tmpfs)": disk_full_at_env_build,
+    "disk full at env build (envs/ on a 200 KB tmpfs)": disk_full_at_env_build,
     "three parallel first deploys of an env": parallel_first_deploys,
     "newest checkpoint overwritten (4 KB), later one truncated": damaged_checkpoints,
     "non-finite loss with a restart policy": nan_loss_with_restarts,
