@@ -115,8 +115,8 @@ class Suite:
             return {"state": "?", "raw": res.stdout + res.stderr}
         return data if isinstance(data, dict) else {"state": "?"}
 
-    def ct(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        return self.hosts.pct_exec(*argv, check=False)
+    def ct(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return self.hosts.pct_exec(*argv, check=False, timeout=timeout)
 
     def runs(self) -> list[str]:
         out = self.ct("ls", "-A", "--", f"{self.workdir}/runs").stdout.split()
@@ -153,7 +153,7 @@ class Suite:
 
     def cleanup(self) -> None:
         self.stop_all()
-        self.ct("rm", "-rf", "--", self.workdir, self.tmux)
+        self.ct("rm", "-rf", "--", self.workdir, self.tmux, timeout=900)  # a torch env: many files
 
 
 # ------------------------------------------------------------------ scenarios (each: lost, wrong, note)
@@ -824,6 +824,7 @@ def main() -> int:
         stop.set()
         sampler.join(5)
         file_hits = secrets_in_files(suite, t0)
+        print(f"secrets in container files changed by the suite: {len(file_hits)}", flush=True)
         suite.cleanup()
     rows.extend(Row(name, note=why, pending=True) for name, why in PENDING.items())
     print(table(rows, file_hits))
