@@ -158,7 +158,10 @@ def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server
     tokenizer = train_tokenizer(["Write a Python function that returns a value.\n"] * 20, vocab_size=300)
     loaded = load_tokenized(
         # the toy tokenizer spends about a token per character of code: room for the longest prompt
-        DataSection(path=str(tmp_path / "out.jsonl"), max_length=2048), tokenizer, tmp_path, tmp_path / "dc"
+        DataSection(path=str(tmp_path / "out.jsonl"), max_length=2048),
+        tokenizer,
+        tmp_path,
+        tmp_path / "dc",
     )
     assert len(loaded) == 8
     again = regenerate_file(inputs, tmp_path / "out.jsonl", settings, quiet=True)
@@ -220,13 +223,14 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp
         concurrency=1,
         retries=2,
         backoff_s=0.05,
-        timeout_s=60,
     )
-    killer = threading.Thread(target=lambda: (_wait_for(output, 3), first.stop()))
+    finished = threading.Event()
+    killer = threading.Thread(target=lambda: (_wait_for(output, 3, finished), first.stop()))
     killer.start()
     try:
         result = regenerate_file(inputs, output, settings, quiet=True)
     finally:
+        finished.set()
         killer.join()
         first.stop()
     error_path, skipped_path = side_paths(output)
@@ -252,7 +256,8 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp
     assert not skipped_path.read_text()
 
 
-def _wait_for(path: Path, lines: int) -> None:
-    deadline = time.monotonic() + 300
-    while len(_ids(path)) < lines and time.monotonic() < deadline:
-        time.sleep(0.02)
+def _wait_for(path: Path, lines: int, finished: threading.Event) -> None:
+    """Until ``path`` holds ``lines`` records or the regeneration has returned: no clock, so a
+    loaded machine makes the test slower, never wrong."""
+    while len(_ids(path)) < lines and not finished.wait(0.02):
+        pass
