@@ -13,7 +13,7 @@ manifest=$4
 model=$5
 gpu=$6
 
-# fleet: prelude
+# fleet: include prelude.sh
 nodes() {  # device nodes as "path|type|major hex|minor hex"
     for node in /dev/nvidia[0-9]* /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools \
         /dev/nvidia-modeset /dev/nvidia-caps /dev/nvidia-caps/*; do

@@ -12,7 +12,7 @@ pct=$3
 smi=$4 timeout_s=$5
 gpu=$6
 
-# fleet: prelude
+# fleet: include prelude.sh
 lxc_config() {  # a plain LXC container's config file (the lxc.* lines pct would print)
     lxcpath=$(lxc-config lxc.lxcpath 2>/dev/null || echo /var/lib/lxc)
     cat "$lxcpath/$1/config"
