@@ -19,6 +19,7 @@ from fleet.status.fetch import fetch_argv, parse_fetch
 PARTS = {
     "prelude.sh": ("limited", "emit", "section", "smi_section"),
     "rundir.sh": ("run_alive", "latest_run"),
+    "doctor.sh": ("nodes",),
 }
 # Every script that answers in several parts; the others print one thing (a path, a word) or nothing.
 ANSWERING = {
