@@ -14,14 +14,26 @@ if command -v timeout >/dev/null 2>&1; then has_timeout=1; else has_timeout=0; f
 limited() {  # limited COMMAND...: under `timeout $timeout_s` where the target has timeout(1)
     if [ "$has_timeout" = 1 ]; then timeout -k 2 "$timeout_s" "$@"; else "$@"; fi
 }
+fleet_nl='
+'
 emit() {  # emit NAME EXIT_CODE TEXT: TEXT (trailing newlines aside) as one section
-    printf '@@fleet %s %s %s\n%s\n' "$1" "$2" "$(($(printf '%s\n' "$3" | wc -l)))" "$3"
+    case $3 in
+        *"$fleet_nl"*) fleet_lines=$(($(printf '%s\n' "$3" | wc -l))) ;;
+        *) fleet_lines=1 ;;  # most answers are one line: no fork to count them
+    esac
+    printf '@@fleet %s %s %s\n%s\n' "$1" "$2" "$fleet_lines" "$3"
 }
 section() {  # section NAME COMMAND...: the command's output and exit code (also left in $out, $rc)
     name=$1
     shift
     out=$("$@" 2>&1) && rc=0 || rc=$?  # also under set -e
     emit "$name" "$rc" "$out"
+}
+tail_section() {  # tail_section NAME BYTES FILE: FILE's last BYTES bytes (nothing where unreadable)
+    # Buffered by awk, not a shell variable: dash takes ~10x longer for a 256 KiB command
+    # substitution, and the lines must be counted before they are printed (a log may grow).
+    tail -c "$2" -- "$3" 2>/dev/null |
+        awk -v head="@@fleet $1 0" '{ line[NR] = $0 } END { print head, NR; for (i = 1; i <= NR; i++) print line[i] }'
 }
 smi_section() {  # smi_section NAME ARGS...: nvidia-smi ARGS under the timeout (also $out, $rc)
     name=$1

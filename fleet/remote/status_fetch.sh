@@ -32,9 +32,9 @@ if [ -n "$run" ] && [ -d "$d" ]; then
     done
     section attempts tail -n 20 -- "$d/attempts.jsonl"
     section events_stat stat -c '%s %Y' -- "$d/events.jsonl"
-    section events_tail tail -c "$n" -- "$d/events.jsonl"
+    tail_section events_tail "$n" "$d/events.jsonl"
     section log_stat stat -c '%s %Y' -- "$d/train.log"
-    section log_tail tail -c "$m" -- "$d/train.log"
+    tail_section log_tail "$m" "$d/train.log"
 fi
 if [ -n "$smi" ]; then
     smi_section gpus --query-gpu="$fields" --format=csv

@@ -17,7 +17,7 @@ from fleet.remote import Answer, parse_answers
 from fleet.status.fetch import fetch_argv, parse_fetch
 
 PARTS = {
-    "prelude.sh": ("limited", "emit", "section", "smi_section"),
+    "prelude.sh": ("limited", "emit", "section", "tail_section", "smi_section"),
     "rundir.sh": ("run_alive", "latest_run"),
     "doctor.sh": ("nodes",),
 }
