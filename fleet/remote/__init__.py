@@ -8,10 +8,11 @@ are shipped as files inside the release / env instead.
 
 Shell shared by several scripts is written once, in a part file, and a script names it on a line
 ``# fleet: include <part>``: :func:`script` puts the part's code there, so the script is still one
-text on the wire. ``prelude.sh`` (``emit``, ``section``, ``smi_section``, ``limited``) is the one
-framing of every script that answers in several parts, ``@@fleet <name> <exit code> <lines>`` and
-then exactly that many lines, read by :func:`parse_answers`; ``rundir.sh`` (``run_alive``,
-``latest_run``) is what the run-dir scripts share.
+text on the wire. ``prelude.sh`` (``emit``, ``section``, ``tail_section``, ``smi_section``,
+``limited``) is the one framing of every script that answers in several parts, ``@@fleet <name>
+<exit code> <lines>`` and then exactly that many lines, read by :func:`parse_answers`;
+``rundir.sh`` (``run_alive``, ``latest_run``) is what the run-dir scripts share, ``doctor.sh``
+(``nodes``) what both doctor scripts read alike.
 """
 
 from __future__ import annotations
