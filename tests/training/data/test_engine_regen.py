@@ -157,7 +157,11 @@ def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server
     )
     tokenizer = train_tokenizer(["Write a Python function that returns a value.\n"] * 20, vocab_size=300)
     loaded = load_tokenized(
-        DataSection(path=str(tmp_path / "out.jsonl"), max_length=512), tokenizer, tmp_path, tmp_path / "dc"
+        # the toy tokenizer spends about a token per character of code: room for the longest prompt
+        DataSection(path=str(tmp_path / "out.jsonl"), max_length=2048),
+        tokenizer,
+        tmp_path,
+        tmp_path / "dc",
     )
     assert len(loaded) == 8
     again = regenerate_file(inputs, tmp_path / "out.jsonl", settings, quiet=True)
@@ -203,11 +207,12 @@ def test_killed_midway_then_resumed_writes_every_prompt_exactly_once(server: Ser
 @pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
 def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp_path: Path) -> None:
     count = 10
-    inputs = _prompts_file(tmp_path / "prompts.jsonl", count)
-    with open(inputs, "a") as handle:  # longer than the server's context: HTTP 400, not retried
-        handle.write(
-            json.dumps({"id": "huge", "conversations": [{"role": "user", "content": "word " * 3000}]}) + "\n"
-        )
+    # First, so it reaches the live server (one request at a time): longer than the server's
+    # context, HTTP 400, recorded at once and not retried.
+    huge = {"id": "huge", "conversations": [{"role": "user", "content": "word " * 3000}]}
+    inputs = tmp_path / "prompts.jsonl"
+    _prompts_file(tmp_path / "rest.jsonl", count)
+    inputs.write_text(json.dumps(huge) + "\n" + (tmp_path / "rest.jsonl").read_text())
     output = tmp_path / "out.jsonl"
     log = tmp_path / "server.log"
     first = Server(server_bin, log, ctx=1024, slots=1)
@@ -218,13 +223,14 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp
         concurrency=1,
         retries=2,
         backoff_s=0.05,
-        timeout_s=60,
     )
-    killer = threading.Thread(target=lambda: (_wait_for(output, 3), first.stop()))
+    finished = threading.Event()
+    killer = threading.Thread(target=lambda: (_wait_for(output, 3, finished), first.stop()))
     killer.start()
     try:
         result = regenerate_file(inputs, output, settings, quiet=True)
     finally:
+        finished.set()
         killer.join()
         first.stop()
     error_path, skipped_path = side_paths(output)
@@ -235,7 +241,7 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp
         json.loads(line)["_regen_id"]: json.loads(line)["error_kind"]
         for line in error_path.read_text().splitlines()
     }
-    assert errors.get("huge", "HTTP 400") == "HTTP 400"
+    assert errors["huge"] == "HTTP 400"
     assert set(errors.values()) <= {"HTTP 400", "connection"}
 
     second = Server(server_bin, log, ctx=1024, slots=1, port=first.port)
@@ -250,7 +256,8 @@ def test_a_refused_request_and_a_dying_server_lose_nothing(server_bin: Path, tmp
     assert not skipped_path.read_text()
 
 
-def _wait_for(path: Path, lines: int) -> None:
-    deadline = time.monotonic() + 300
-    while len(_ids(path)) < lines and time.monotonic() < deadline:
-        time.sleep(0.02)
+def _wait_for(path: Path, lines: int, finished: threading.Event) -> None:
+    """Until ``path`` holds ``lines`` records or the regeneration has returned: no clock, so a
+    loaded machine makes the test slower, never wrong."""
+    while len(_ids(path)) < lines and not finished.wait(0.02):
+        pass
