@@ -91,15 +91,11 @@ def local_artefacts(store: Path) -> dict[str, Artefact]:
 def parse_listing(text: str) -> dict[str, Artefact]:
     """``remote/compile_list.sh``'s output -> the target's complete artefacts, by key."""
     found: dict[str, Artefact] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) != 3 or parts[0] != "@@key":
+    for name, part in remote.parse_answers(text).items():
+        kind, _, key = name.partition(" ")
+        if kind != "key" or part.exit_code != 0:
             continue
-        try:
-            manifest = base64.b64decode(parts[2], validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            continue
-        artefact = Artefact.parse(parts[1], manifest)
+        artefact = Artefact.parse(key, part.output)
         if artefact is not None:
             found[artefact.key] = artefact
     return found
@@ -107,7 +103,7 @@ def parse_listing(text: str) -> dict[str, Artefact]:
 
 def remote_artefacts(target: Target, root: str) -> dict[str, Artefact]:
     """The complete artefacts under ``root`` (a compile-cache root) on ``target``, by key."""
-    res = target.run(remote.sh("compile_list.sh", root), check=False)
+    res = target.run(remote.sh("compile_list.sh", root, MANIFEST, BLOB), check=False)
     if res.exit_code != 0:
         why = res.stderr.strip() or f"exit {res.exit_code}"
         raise RunError(f"{target.name}: could not list {root}: {why}")

@@ -42,6 +42,7 @@ from fleet.errors import CommandFailed, DeployError, DiskFull
 from fleet.inventory import TargetSpec
 from fleet.layout import RUN_SESSION
 from fleet.target import Target
+from training import contract
 
 RELEASE_ID_RE = re.compile(r"^(\d{8}T\d{6}Z)-([0-9a-f]{7})(-dirty)?$")
 TIME_FORMAT = "%Y%m%dT%H%M%SZ"
@@ -141,34 +142,17 @@ def releases_to_prune(existing: Iterable[str], keep: int, protected: Iterable[st
     return sorted(others[max(max(keep, 1) - len(guarded), 0) :])
 
 
-def parse_sections(text: str, last: str | None = None) -> dict[str, str]:
-    """Split ``@@name`` sections printed by the remote scripts; ``last`` runs to the end verbatim."""
-    sections: dict[str, list[str]] = {}
-    name: str | None = None
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-        if line.startswith("@@") and line[2:].strip():
-            name = line[2:].strip()
-            sections[name] = []
-            if name == last:
-                sections[name] = lines[i + 1 :]
-                break
-            continue
-        if name is not None:
-            sections[name].append(line)
-    return {key: "\n".join(value).strip("\n") for key, value in sections.items()}
-
-
 def parse_prepare_output(text: str) -> RemoteState:
     """Parse ``deploy_prepare.sh`` output (pure)."""
-    sec = parse_sections(text)
-    if "end" not in sec:
+    parts = remote.parse_answers(text)
+    if "end" not in parts:
         raise DeployError(f"unexpected output from the deploy preparation step: {text[-200:]!r}")
-    current = sec.get("current", "").strip() or None
-    releases = tuple(line.strip() for line in sec.get("releases", "").splitlines() if line.strip())
-    live = any(line.split()[:1] == ["0"] for line in sec.get("pane", "").splitlines())
+    current = remote.ok_output(parts, "current").strip() or None
+    releases = tuple(line.strip() for line in remote.ok_output(parts, "releases").splitlines())
+    releases = tuple(line for line in releases if line)
+    live = any(line.split()[:1] == ["0"] for line in remote.ok_output(parts, "pane").splitlines())
     try:
-        run = json.loads(sec.get("run_json", "") or "{}")
+        run = json.loads(remote.ok_output(parts, "run_json") or "{}")
     except json.JSONDecodeError:
         run = {}
     release = run.get("release") if isinstance(run, dict) else None
@@ -319,7 +303,7 @@ def _deploy_error(target: Target, what: str, err: CommandFailed) -> DeployError:
 def prepare(target: Target) -> RemoteState:
     """Step 1: skeleton + state (one command; changes nothing a running deploy uses)."""
     spec = target.spec
-    args = [spec.workdir, spec.commands.tmux, RUN_SESSION]
+    args = [spec.workdir, spec.commands.tmux, RUN_SESSION, contract.RUN_RECORD_FILE]
     out = _sh(target, remote.sh("deploy_prepare.sh", *args), "preparing the deploy", timeout=120)
     return parse_prepare_output(out)
 
@@ -376,13 +360,13 @@ def deploy(target: Target, repo_root: Path, now: dt.datetime | None = None) -> R
 def current_release(target: Target) -> Release | None:
     """The release ``current`` points at, with its manifest; None before the first deploy."""
     layout = target.spec.layout
-    result = target.run(remote.sh("deploy_current.sh", layout.workdir), check=False)
-    sec = parse_sections("@@link\n" + result.stdout, last="manifest")
-    release_id = release_id_from_link(sec.get("link", "").strip())
+    result = target.run(remote.sh("deploy_current.sh", layout.workdir, MANIFEST_FILE), check=False)
+    parts = remote.parse_answers(result.stdout)
+    release_id = release_id_from_link(remote.ok_output(parts, "link").strip())
     if release_id is None:
         return None
     try:
-        manifest = json.loads(sec.get("manifest", "") or "{}")
+        manifest = json.loads(remote.ok_output(parts, "manifest") or "{}")
     except json.JSONDecodeError:
         manifest = {}
     if not isinstance(manifest, dict):

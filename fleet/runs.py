@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from fleet import compile_share, remote, trainer_cli
-from fleet.deploy import RELEASE_ID_RE, parse_sections, release_id_from_link
+from fleet.deploy import RELEASE_ID_RE, release_id_from_link
 from fleet.errors import CommandFailed, ConfigError, RunError, TargetError, tail_lines
 from fleet.inventory import ENV_KEY_RE, MultiRunSpec, TargetSpec
 from fleet.layout import RUN_SESSION
@@ -356,31 +356,35 @@ def _int_or_none(text: str) -> int | None:
 
 def parse_state(target: str, text: str) -> BasicStatus:
     """Parse ``run_state.sh`` output (pure): pane, current, latest, run_json, exit_code, pgid, log."""
-    sec = parse_sections(text, last="log")
-    panes = [line.split(" ") for line in sec.get("pane", "").splitlines() if line.strip()]
+    parts = remote.parse_answers(text)
+
+    def sec(name: str) -> str:
+        return remote.ok_output(parts, name)
+
+    panes = [line.split(" ") for line in sec("pane").splitlines() if line.strip()]
     live = any(p[0] == "0" for p in panes)
     pane_pid = _int_or_none(panes[0][1]) if panes and len(panes[0]) > 1 else None
-    pgid = _int_or_none(sec.get("pgid", ""))
-    no_run_here = not sec.get("run_json", "").strip() and not sec.get("latest", "").strip()
+    pgid = _int_or_none(sec("pgid"))
+    no_run_here = not sec("run_json").strip() and not sec("latest").strip()
     # The run's own lock decides (tmux may be gone while its trainer runs on); the pane tells
     # another workdir's run apart, and gives the exit status when run.sh could not write it.
-    run_alive = sec.get("alive", "").strip() == "1"
+    run_alive = sec("alive").strip() == "1"
     foreign = (
         live
         and not run_alive
         and (no_run_here or (pgid is not None and pane_pid is not None and pgid != pane_pid))
     )
     run: dict[str, Any] = {}
-    if sec.get("run_json", "").strip():
+    if sec("run_json").strip():
         try:
-            loaded = json.loads(sec["run_json"])
+            loaded = json.loads(sec("run_json"))
         except json.JSONDecodeError:
             loaded = {}
         run = loaded if isinstance(loaded, dict) else {}
-    run_id = run.get("run_id") or (sec.get("latest", "").strip() or None)
-    log = sec.get("log", "")
+    run_id = run.get("run_id") or (sec("latest").strip() or None)
+    log = sec("log")
     last_lines = tuple(log.rstrip("\n").split("\n")) if log.strip() else ()
-    exit_code = _int_or_none(sec.get("exit_code", ""))
+    exit_code = _int_or_none(sec("exit_code"))
     if exit_code is None and panes and not live and not run_alive:
         fields = panes[0] + ["", "", ""]
         status, signal = _int_or_none(fields[2]), _int_or_none(fields[3])
@@ -391,12 +395,12 @@ def parse_state(target: str, text: str) -> BasicStatus:
             target=target,
             state="live",
             last_lines=(),
-            current_release=release_id_from_link(sec.get("current", "").strip()),
+            current_release=release_id_from_link(sec("current").strip()),
             foreign_pid=pane_pid,
         )
     if run_alive or (live and exit_code is None):
         state = "live"
-    elif run or sec.get("latest", "").strip():
+    elif run or sec("latest").strip():
         state = "exited"
     else:
         state = "live" if live else "never"
@@ -407,7 +411,7 @@ def parse_state(target: str, text: str) -> BasicStatus:
         release_id=run.get("release") if isinstance(run.get("release"), str) else None,
         exit_code=exit_code if state == "exited" else None,
         last_lines=last_lines,
-        current_release=release_id_from_link(sec.get("current", "").strip()),
+        current_release=release_id_from_link(sec("current").strip()),
         started_at=run.get("started_at") if isinstance(run.get("started_at"), str) else None,
     )
 
@@ -755,20 +759,19 @@ def _summary(run_id: str, fields: Mapping[str, str], latest: str) -> RunSummary:
 
 def parse_runs_list(text: str) -> tuple[list[RunSummary], list[str]]:
     """``runs_list.sh`` output -> (the runs, oldest first; the run ids removed) (pure)."""
-    blocks: list[tuple[str, dict[str, str]]] = []
-    removed: list[str] = []
-    latest = ""
-    for line in text.splitlines():
-        if line.startswith("@@run "):
-            blocks.append((line[6:].strip(), {}))
-        elif line.startswith("@@removed "):
-            removed.append(line[10:].strip())
-        elif line.startswith("@@latest"):
-            latest = line[8:].strip()
-        elif blocks:
+    parts = remote.parse_answers(text)
+    latest = remote.ok_output(parts, "latest").strip()
+    removed = [line for line in remote.ok_output(parts, "removed").splitlines() if line]
+    found = []
+    for name, part in parts.items():
+        if not name.startswith("run "):
+            continue
+        fields = {}
+        for line in part.output.splitlines():
             key, _, value = line.partition(" ")
-            blocks[-1][1][key] = value.strip()
-    return [_summary(run_id, fields, latest) for run_id, fields in blocks], removed
+            fields[key] = value.strip()
+        found.append(_summary(name[4:], fields, latest))
+    return found, removed
 
 
 def list_runs(target: Target, keep: int = 0) -> tuple[list[RunSummary], list[str]]:

@@ -665,3 +665,9 @@ def llama_build() -> Any:
     from training.engines.llamacpp import default_cache_root, ensure_llamacpp
 
     return ensure_llamacpp(default_cache_root(), log=lambda line: print(line, file=sys.stderr))
+
+
+def framed(*parts: tuple[str, int, str]) -> str:
+    """(name, exit code, text) -> what fleet/remote/prelude.sh's ``emit`` prints for each: a header
+    ``@@fleet <name> <exit code> <lines>`` and the text, written here independently of it."""
+    return "".join(f"@@fleet {name} {code} {text.count(chr(10)) + 1}\n{text}\n" for name, code, text in parts)

@@ -6,9 +6,13 @@ positional argument, never pasted into the text, so a workdir with quotes or ``$
 literal path. ``run.sh`` (the tmux pane's wrapper, bash) and ``env_probe.py`` (stdlib Python)
 are shipped as files inside the release / env instead.
 
-A script that answers in sections has the line ``# fleet: prelude``: :func:`script` puts
-``prelude.sh`` there (``emit``, ``section``, ``smi_section``, ``limited``), so the helpers are written
-once and the script is still one text on the wire; :func:`parse_answers` reads their one framing.
+Shell shared by several scripts is written once, in a part file, and a script names it on a line
+``# fleet: include <part>``: :func:`script` puts the part's code there, so the script is still one
+text on the wire. ``prelude.sh`` (``emit``, ``section``, ``tail_section``, ``smi_section``,
+``limited``) is the one framing of every script that answers in several parts, ``@@fleet <name>
+<exit code> <lines>`` and then exactly that many lines, read by :func:`parse_answers`;
+``rundir.sh`` (``run_alive``, ``latest_run``) is what the run-dir scripts share, ``doctor.sh``
+(``nodes``) what both doctor scripts read alike.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DIR = Path(__file__).resolve().parent
-PRELUDE_LINE = "# fleet: prelude"
-SECTION_MARK = "@@fleet "  # prelude.sh's emit: "@@fleet <name> <exit code>", then the text
+INCLUDE = "# fleet: include "  # followed by a part's file name (prelude.sh, rundir.sh)
+SECTION_MARK = "@@fleet "  # prelude.sh's emit: "@@fleet <name> <exit code> <lines>", then the text
 
 
 @dataclass(frozen=True)
@@ -38,34 +42,50 @@ def path(name: str) -> Path:
     return file
 
 
+def _part(name: str) -> str:
+    """A part file's code: its header comments (up to the first other line) stay here."""
+    lines = path(name).read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(lines[next(i for i, line in enumerate(lines) if not line.startswith("#")) :])
+
+
 @functools.cache
 def script(name: str) -> str:
-    """The text of the packaged script ``name`` (read once per process), its ``# fleet: prelude``
-    line replaced by ``prelude.sh``'s code (its header comments stay here)."""
-    text = path(name).read_text(encoding="utf-8")
-    if f"\n{PRELUDE_LINE}\n" not in text:
-        return text
-    lines = path("prelude.sh").read_text(encoding="utf-8").splitlines(keepends=True)
-    body = "".join(lines[next(i for i, line in enumerate(lines) if not line.startswith("#")) :])
-    return text.replace(f"\n{PRELUDE_LINE}\n", "\n" + body, 1)
+    """The text of the packaged script ``name`` (read once per process), each of its
+    ``# fleet: include <part>`` lines replaced by that part's code."""
+    out = []
+    for line in path(name).read_text(encoding="utf-8").splitlines(keepends=True):
+        out.append(_part(line[len(INCLUDE) :].strip()) if line.startswith(INCLUDE) else line)
+    return "".join(out)
 
 
 def parse_answers(text: str) -> dict[str, Answer]:
-    """The ``@@fleet <name> <exit code>`` sections of a prelude script's output (pure); a malformed
-    exit code reads as -1, a repeated name keeps the last."""
+    """The sections of a prelude script's output (pure): each header ``@@fleet <name> <exit code>
+    <lines>`` is followed by exactly ``<lines>`` lines of text, so a text line that looks like a
+    header is text. A name may hold spaces (the last two fields are numbers); a malformed exit code
+    reads as -1; a repeated name keeps the last; what is outside any section is ignored, and a
+    section cut short (the connection dropped) keeps the lines that came."""
     parts: dict[str, Answer] = {}
-    name, code, lines = "", 0, []
-    for line in [*text.splitlines(), f"{SECTION_MARK}end 0"]:
-        if line.startswith(SECTION_MARK):
-            if name:
-                parts[name] = Answer(code, "\n".join(lines).strip("\n"))
-            fields = line.split()
-            name = fields[1] if len(fields) > 1 else "?"
-            code = int(fields[2]) if len(fields) > 2 and fields[2].lstrip("-").isdigit() else -1
-            lines = []
-        elif name:
-            lines.append(line)
+    lines = text.removesuffix("\n").split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if not line.startswith(SECTION_MARK):
+            continue
+        head = line[len(SECTION_MARK) :].rsplit(" ", 2)
+        if len(head) != 3 or not head[2].isdigit():
+            continue
+        name, code, count = head[0], head[1], int(head[2])
+        parts[name] = Answer(int(code) if code.lstrip("-").isdigit() else -1, "\n".join(lines[i : i + count]))
+        i += count
     return parts
+
+
+def ok_output(parts: dict[str, Answer], name: str) -> str:
+    """Section ``name``'s text where its command succeeded; "" where it failed or is missing (a
+    file not there, no tmux server: the error message is not the file's content)."""
+    part = parts.get(name)
+    return part.output if part is not None and part.exit_code == 0 else ""
 
 
 def sh(name: str, *args: str, dollar0: str = "") -> list[str]:

@@ -1,11 +1,15 @@
 # shellcheck shell=sh
 # The Mega-Cache artefacts under a compile-cache root (fleet.compile_share), sent as
-#   sh -c <this> fleet-compile-list ROOT
-# One line per key dir that holds both files: `@@key NAME BASE64-OF-manifest.json`.
+#   sh -c <this> fleet-compile-list ROOT MANIFEST ARTEFACT
+# One prelude section `key NAME` per key dir that holds both files (MANIFEST and ARTEFACT, the
+# names of training/compile/cache.py), its text the MANIFEST file.
 root=$1
+manifest=$2
+artefact=$3
+# fleet: include prelude.sh
 [ -d "$root" ] || exit 0
 for dir in "$root"/*/; do
-    if [ ! -f "${dir}manifest.json" ] || [ ! -f "${dir}megacache.bin" ]; then continue; fi
+    if [ ! -f "$dir$manifest" ] || [ ! -f "$dir$artefact" ]; then continue; fi
     name=$(basename -- "$dir")
-    printf '@@key %s %s\n' "$name" "$(base64 < "${dir}manifest.json" | tr -d '\n')"
+    section "key $name" cat -- "$dir$manifest"
 done

@@ -13,14 +13,8 @@ manifest=$4
 model=$5
 gpu=$6
 
-# fleet: prelude
-nodes() {  # device nodes as "path|type|major hex|minor hex"
-    for node in /dev/nvidia[0-9]* /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools \
-        /dev/nvidia-modeset /dev/nvidia-caps /dev/nvidia-caps/*; do
-        [ -e "$node" ] && stat -c '%n|%F|%t|%T' "$node"
-    done
-    return 0
-}
+# fleet: include prelude.sh
+# fleet: include doctor.sh
 libs() {  # the NVIDIA user-space libraries: "link NAME TARGET" / "file NAME REALPATH"
     for dir in /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib \
         /lib/x86_64-linux-gnu /lib64 /usr/local/nvidia/lib64 /usr/local/lib; do

@@ -12,17 +12,11 @@ pct=$3
 smi=$4 timeout_s=$5
 gpu=$6
 
-# fleet: prelude
+# fleet: include prelude.sh
+# fleet: include doctor.sh
 lxc_config() {  # a plain LXC container's config file (the lxc.* lines pct would print)
     lxcpath=$(lxc-config lxc.lxcpath 2>/dev/null || echo /var/lib/lxc)
     cat "$lxcpath/$1/config"
-}
-nodes() {  # device nodes as "path|type|major hex|minor hex"
-    for node in /dev/nvidia[0-9]* /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools \
-        /dev/nvidia-modeset /dev/nvidia-caps /dev/nvidia-caps/*; do
-        [ -e "$node" ] && stat -c '%n|%F|%t|%T' "$node"
-    done
-    return 0
 }
 
 if [ "$kind" = pct ]; then

@@ -8,7 +8,7 @@
 # caller reads every answer. Each nvidia-smi call runs under `timeout` where the target has it.
 timeout_s=$1
 smi=$2
-# fleet: prelude
+# fleet: include prelude.sh
 smi_section query --query-gpu="$3" --format=csv
 # a hung (timeout), unrunnable or missing nvidia-smi: the other parts would only repeat it
 case $rc in 124 | 126 | 127 | 137) exit 0 ;; esac

@@ -33,29 +33,7 @@ shift 7
 rel_dir="$workdir/releases/$release"
 run_dir="$workdir/runs/$run_id"
 test -f "$rel_dir/remote/run.sh" || { echo "release $release has no remote/run.sh: redeploy" >&2; exit 66; }
-# A run is alive while RUN_DIR/lock is held: run.sh takes it first and every process of the run
-# inherits it, so it outlives tmux and run.sh itself. Without flock, or for a run dir from before
-# the lock, a process of the recorded group that is not a zombie (tmux may leave a dead pane's
-# process unreaped). Never `kill -0 -- -PGID`: dash rejects it.
-run_alive() {
-    if [ -e "$1/lock" ] && command -v flock >/dev/null 2>&1; then
-        flock -n -s -E 75 "$1/lock" true 2>/dev/null
-        [ $? -eq 75 ]
-        return
-    fi
-    pgid=$(cat -- "$1/pgid" 2>/dev/null) || return 1
-    case "$pgid" in '' | *[!0-9]*) return 1 ;; esac
-    for st in /proc/[0-9]*/stat; do
-        { read -r line < "$st"; } 2>/dev/null || continue
-        rest=${line##*) }
-        # shellcheck disable=SC2086
-        set -- $rest
-        if [ "${3:-}" = "$pgid" ] && [ "$1" != Z ]; then
-            return 0
-        fi
-    done
-    return 1
-}
+# fleet: include rundir.sh
 for dir in "$workdir"/runs/*; do
     if [ -d "$dir" ] && [ ! -L "$dir" ] && run_alive "$dir"; then
         echo "run ${dir##*/} is live (its processes hold $dir/lock; tmux may be gone)" >&2

@@ -1,12 +1,12 @@
 """The I/O side of ``fab status`` / ``fab plot``: a run's facts from a target in ONE command, or
 from a local run dir (``--log``). The model is ``fleet.status.model``; the view ``fleet.status.render``.
 
-The fetch is ``fleet/remote/status_fetch.sh``: the workdir, tmux path, byte budgets and a
-per-call random boundary are positional arguments, never interpolated into the script. It
-prints sections ``<boundary> <name>``: the target's clock, the latest run id, the tmux pane
+The fetch is ``fleet/remote/status_fetch.sh``: the workdir, tmux path and byte budgets are
+positional arguments, never interpolated into the script. It answers in the one framing of
+``fleet.remote`` (``parse_answers``): the target's clock, the latest run id, the tmux pane
 state, run.json, the exit_code file, size+mtime and the last ``TAIL_BYTES`` (``tail -c``) of
 events.jsonl and train.log, and optionally one ``nvidia-smi --query-gpu`` table. A log of many
-GB is never downloaded.
+GB is never downloaded; a log line that looks like a section header stays log text.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -50,31 +49,19 @@ def fetch_argv(
     workdir: str,
     tmux: str,
     nvidia_smi: str,
-    boundary: str,
     tail_bytes: int = TAIL_BYTES,
     log_bytes: int | None = None,
 ) -> list[str]:
     """The one command of a status call (argv list; everything variable is a positional arg)."""
     logs = str(tail_bytes if log_bytes is None else log_bytes)
-    args = (workdir, tmux, RUN_SESSION, str(tail_bytes), boundary, nvidia_smi, GPU_FIELDS, logs)
+    args = (workdir, tmux, RUN_SESSION, str(tail_bytes), nvidia_smi, GPU_FIELDS, logs)
     return remote.sh("status_fetch.sh", *args)
 
 
-def split_sections(stdout: str, boundary: str) -> dict[str, str]:
-    """``<boundary> name`` headed sections -> {name: text} (each section's framing newline removed)."""
-    sections: dict[str, str] = {}
-    parts = stdout.split(f"\n{boundary} ")
-    for part in parts[1:]:
-        name, _, body = part.partition("\n")
-        sections[name] = body
-    return sections
-
-
-def parse_fetch(
-    stdout: str, boundary: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int | None = None
-) -> Fetched:
+def parse_fetch(stdout: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int | None = None) -> Fetched:
     """The fetch script's output -> facts and tails (pure)."""
-    s = split_sections(stdout, boundary)
+    parts = remote.parse_answers(stdout)
+    s = {name: remote.ok_output(parts, name) for name in parts}
     if "end" not in s:
         raise RunError("status fetch was cut short (no end marker): retry; check the target's disk and shell")
     run_id = s.get("run", "").strip()
@@ -101,8 +88,8 @@ def parse_fetch(
             )
             exit_code = 128 + signal if signal else status
     run_json = _json_object(s.get("run_json", ""))
-    ev_stat = s.get("stat events.jsonl", "").split()
-    log_stat = s.get("stat train.log", "").split()
+    ev_stat = s.get("events_stat", "").split()
+    log_stat = s.get("log_stat", "").split()
     facts = RunFacts(
         run_id=run_id,
         release=str(run_json.get("release", run_json.get("release_id", ""))),
@@ -121,9 +108,9 @@ def parse_fetch(
     gpus = gpu_rows_from_csv(s["gpus"], gpu_targets) if s.get("gpus", "").strip() else ()
     return Fetched(
         facts=facts,
-        events_text=_strip_last_nl(s.get("tail events.jsonl", "")),
+        events_text=s.get("events_tail", ""),
         events_truncated=ev_size is not None and ev_size > tail_bytes,
-        log_text=_strip_last_nl(s.get("tail train.log", "")),
+        log_text=s.get("log_tail", ""),
         gpus=gpus,
     )
 
@@ -136,10 +123,6 @@ def _attempts(text: str) -> list[Mapping[str, Any]]:
         if obj:
             found.append(obj)
     return found
-
-
-def _strip_last_nl(text: str) -> str:
-    return text[:-1] if text.endswith("\n") else text
 
 
 def _int(text: str) -> int | None:
@@ -178,12 +161,11 @@ def fetch(
 ) -> Fetched:
     """Run the fetch on an open ``fleet.target.Target`` (one command) and parse it."""
     spec = target.spec
-    boundary = "@@fleet-" + secrets.token_hex(8)
     nvsmi = spec.commands.nvidia_smi if spec.gpus > 0 and gpus else ""
-    argv = fetch_argv(spec.workdir, spec.commands.tmux, nvsmi, boundary, events_bytes, log_bytes)
+    argv = fetch_argv(spec.workdir, spec.commands.tmux, nvsmi, events_bytes, log_bytes)
     result = target.run(argv, timeout=60)
     gpu_targets = spec.topology.targets if spec.topology else None
-    return parse_fetch(result.stdout, boundary, tail_bytes=events_bytes, gpu_targets=gpu_targets)
+    return parse_fetch(result.stdout, tail_bytes=events_bytes, gpu_targets=gpu_targets)
 
 
 WATCH_RETRIES = 5  # consecutive dropped sessions ``--watch`` rides out before it gives up

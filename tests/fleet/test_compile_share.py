@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from testkit import framed
 
 from fleet import compile_share as cs
 from fleet.errors import RunError
@@ -97,17 +98,12 @@ def test_incomplete_or_blobless_warm_ups_are_not_shipped(tmp_path: Path) -> None
         assert not Path(_root(b)).exists()
 
 
-def test_listing_parser_skips_noise_and_damaged_lines() -> None:
-    import base64
-
-    good = base64.b64encode(_manifest(KEY, "t1").encode()).decode()
-    text = "\n".join(
-        [
-            f"@@key {KEY} {good}",
-            "@@key other !!notbase64!!",
-            f"@@key bad/key {good}",
-            "some warning on stderr-turned-stdout",
-        ]
+def test_listing_parser_skips_noise_and_damaged_sections() -> None:
+    text = "some warning on stderr-turned-stdout\n" + framed(
+        ("key " + KEY, 0, _manifest(KEY, "t1")),
+        ("key other", 0, "{not json"),
+        ("key bad/key", 0, _manifest(KEY, "t2")),
+        ("key unread", 1, "cat: manifest.json: Permission denied"),
     )
     assert list(cs.parse_listing(text)) == [KEY]
     assert cs.parse_listing(text)[KEY].created_at == "t1"

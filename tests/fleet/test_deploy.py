@@ -59,21 +59,30 @@ def test_releases_to_prune_keeps_newest_and_protected() -> None:
 
 
 def test_parse_prepare_output_sample() -> None:
-    text = (
-        "@@current\nreleases/20261130T000001Z-abcdef1\n@@releases\n"
-        "20261130T000000Z-abcdef1\n20261130T000001Z-abcdef1\n@@pane\n0 4242\n\n@@run_json\n"
-        '{"run_id": "r", "release": "20261130T000000Z-abcdef1"}\n\n@@end\n'
-    )
-    state = d.parse_prepare_output(text)
+    from testkit import framed  # here: this file also runs as a script (the killed deploy's child)
+
+    def text(pane: str) -> str:
+        return framed(
+            ("current", 0, "releases/20261130T000001Z-abcdef1"),
+            ("releases", 0, "20261130T000000Z-abcdef1\n20261130T000001Z-abcdef1"),
+            ("pane", 0, pane),
+            ("run_json", 0, '{"run_id": "r", "release": "20261130T000000Z-abcdef1"}'),
+            ("end", 0, ""),
+        )
+
+    state = d.parse_prepare_output(text("0 4242"))
     assert state.current_id == "20261130T000001Z-abcdef1"
     assert state.releases == ("20261130T000000Z-abcdef1", "20261130T000001Z-abcdef1")
     assert state.live_release == "20261130T000000Z-abcdef1"
-    dead = text.replace("@@pane\n0 4242", "@@pane\n1 4242")
+    dead = text("1 4242")
     assert d.parse_prepare_output(dead).live_release is None
     # A stopped run's release stays known (and protected from pruning): `fab train` may continue it.
     assert d.parse_prepare_output(dead).latest_release == "20261130T000000Z-abcdef1"
+    # A failed command's message is not the section's content (no tmux server, no run.json).
+    failed = framed(("pane", 1, "0 no server"), ("run_json", 1, "cat: no such file"), ("end", 0, ""))
+    assert d.parse_prepare_output(failed) == d.RemoteState(None, (), None, None)
     with pytest.raises(DeployError):
-        d.parse_prepare_output("@@current\n")  # cut short: no @@end
+        d.parse_prepare_output(framed(("current", 0, "")))  # cut short: no end section
 
 
 def test_release_id_from_link() -> None:

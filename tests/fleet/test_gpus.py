@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import framed
 
 from fleet import gpus
 from fleet.errors import FleetError, GpuGateError
@@ -186,7 +187,7 @@ def test_parse_ps_real_output() -> None:
 
 
 def test_parse_probe_sections() -> None:
-    text = "@@fleet query 0\nindex, uuid\n@@fleet apps 6\nNo devices were found\n@@fleet runids 0\n12\n34\n"
+    text = framed(("query", 0, "index, uuid"), ("apps", 6, "No devices were found"), ("runids", 0, "12\n34"))
     got = gpus.parse_probe(text, "here")
     assert got.query == Answer(0, "index, uuid")
     assert got.apps == Answer(6, "No devices were found")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import framed
 
 from fleet import remote, runs
 from fleet.status.fetch import parse_fetch
@@ -59,12 +60,11 @@ def live_run(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
 
 
 def alive_lines(out: bytes) -> dict[str, str]:
-    found, run = {}, ""
-    for line in out.decode().splitlines():
-        if line.startswith("@@run "):
-            run = line[6:]
-        elif line.startswith("alive "):
-            found[run] = line[6:]
+    found = {}
+    for name, part in remote.parse_answers(out.decode()).items():
+        for line in part.output.splitlines():
+            if name.startswith("run ") and line.startswith("alive "):
+                found[name[4:]] = line[6:]
     return found
 
 
@@ -79,7 +79,7 @@ def test_runs_list_sees_a_live_run_without_tmux_and_never_prunes_it(
     res = run_script(shell, "runs_list.sh", str(tmp_path), "1")
     assert res.returncode == 0, res.stderr
     out = res.stdout.decode()
-    assert "@@removed 20250101T000000Z-dead" in out and old.is_dir(), out
+    assert remote.parse_answers(out)["removed"].output == dead.name and old.is_dir(), out
     assert alive_lines(res.stdout) == {old.name: "1", "20260101T000001Z-new": "0"}, out
     listed, removed = runs.parse_runs_list(out)
     assert [r.state for r in listed] == ["live", "stopped"] and removed == [dead.name]
@@ -107,8 +107,8 @@ def test_state_and_status_read_the_lock_and_stop_reaches_the_group_without_tmux(
     state = run_script(shell, "run_state.sh", str(tmp_path), "false", "fleet-run", "0")
     parsed = runs.parse_state("t", state.stdout.decode())
     assert (parsed.state, parsed.run_id) == ("live", old.name), state.stdout
-    fetched = run_script(shell, "status_fetch.sh", str(tmp_path), "false", "fleet-run", "100", "@@B", "", "")
-    facts = parse_fetch(fetched.stdout.decode(), "@@B").facts
+    fetched = run_script(shell, "status_fetch.sh", str(tmp_path), "false", "fleet-run", "100", "", "")
+    facts = parse_fetch(fetched.stdout.decode()).facts
     assert (facts.run_id, facts.alive) == (old.name, True), fetched.stdout
 
     stop = run_script(shell, "run_stop.sh", str(tmp_path), "false", "fleet-run", "TERM", "10")
@@ -158,8 +158,12 @@ def test_the_launcher_refuses_while_any_run_dir_is_live(
 def test_a_dead_pane_with_empty_status_fields_is_no_exit_code() -> None:
     """tmux prints `#{pane_dead_status}` empty for a pane killed by a signal, and both empty when
     it cannot tell: no field may slide into another's place (the pane pid read as a signal)."""
-    body = "\n@@B now\n1700000000\n@@B run\nr1\n@@B pane\n{pane}\n@@B pid\n528\n@@B end\n"
-    killed = parse_fetch(body.format(pane="1  9 528"), "@@B").facts
-    unknown = parse_fetch(body.format(pane="1   528"), "@@B").facts
+
+    def body(pane: str) -> str:
+        parts = (("now", "1700000000"), ("run", "r1"), ("pane", pane), ("pid", "528"), ("end", ""))
+        return framed(*((name, 0, text) for name, text in parts))
+
+    killed = parse_fetch(body("1  9 528")).facts
+    unknown = parse_fetch(body("1   528")).facts
     assert (killed.alive, killed.exit_code) == (False, 137)
     assert (unknown.alive, unknown.exit_code) == (False, None)

@@ -1,5 +1,6 @@
-"""fleet/remote's loader and its one section framing: the prelude is put in place of the marker line,
-no script carries its own copy, and what a prelude script prints under dash is read by the one parser."""
+"""fleet/remote's loader and its one section framing: the shared parts are put in place of their
+include lines, no script carries its own copy or another framing, and what the scripts print under
+dash is read by the one parser - a log line that looks like a header included."""
 
 from __future__ import annotations
 
@@ -10,49 +11,114 @@ from pathlib import Path
 
 import pytest
 import testkit
+from testkit import framed
 
-from fleet import remote
+from fleet import remote, runs
 from fleet.remote import Answer, parse_answers
+from fleet.status.fetch import fetch_argv, parse_fetch
 
-HELPERS = ("limited", "emit", "section", "smi_section")
+PARTS = {
+    "prelude.sh": ("limited", "emit", "section", "tail_section", "smi_section"),
+    "rundir.sh": ("run_alive", "latest_run"),
+    "doctor.sh": ("nodes",),
+}
+# Every script that answers in several parts; the others print one thing (a path, a word) or nothing.
+ANSWERING = {
+    "compile_list.sh",
+    "deploy_current.sh",
+    "deploy_prepare.sh",
+    "doctor_container.sh",
+    "doctor_host.sh",
+    "gpu_probe.sh",
+    "run_state.sh",
+    "runs_list.sh",
+    "status_fetch.sh",
+}
+# A log's lines that an unsafe framing would read as headers or drop.
+NASTY = ["@@fleet log 0 1", "@@fleet end 0 0", "@@latest", "@@run x", "@@B end", "", "  @@fleet", "plain"]
 
 
 def scripts() -> list[Path]:
-    return sorted(p for p in remote.DIR.glob("*.sh") if p.name != "prelude.sh")
+    return sorted(p for p in remote.DIR.glob("*.sh") if p.name not in PARTS)
 
 
-def test_prelude_scripts_get_it_and_none_defines_its_helpers() -> None:
-    users = [p.name for p in scripts() if f"\n{remote.PRELUDE_LINE}\n" in p.read_text()]
-    assert {"doctor_host.sh", "doctor_container.sh", "gpu_probe.sh"} <= set(users)
+def defines(text: str, helper: str) -> bool:
+    return re.search(rf"^{helper}\(\) \{{", text, re.M) is not None
+
+
+def test_parts_are_included_and_never_copied() -> None:
     for p in scripts():
-        own = [h for h in HELPERS if re.search(rf"^{h}\(\) \{{", p.read_text(), re.M)]
-        assert own == [], f"{p.name} defines {own}: use the prelude ({remote.PRELUDE_LINE})"
-    for name in users:
-        text = remote.script(name)
-        assert remote.PRELUDE_LINE not in text and all(
-            re.search(rf"^{h}\(\) \{{", text, re.M) for h in HELPERS
-        )
+        text = p.read_text()
+        own = [h for helpers in PARTS.values() for h in helpers if defines(text, h)]
+        assert own == [], f"{p.name} defines {own}: include the part ({remote.INCLUDE}<part>)"
+        included = re.findall(rf"^{remote.INCLUDE}(\S+)$", text, re.M)
+        assert set(included) <= set(PARTS), included
+        loaded = remote.script(p.name)
+        assert remote.INCLUDE not in loaded
+        assert all(defines(loaded, h) for part in included for h in PARTS[part])
+    users = {p.name for p in scripts() if f"\n{remote.INCLUDE}prelude.sh\n" in p.read_text()}
+    assert users == ANSWERING
 
 
-@pytest.mark.skipif(shutil.which("dash") is None, reason="dash is what targets run")
+def test_no_script_frames_its_own_sections() -> None:
+    for p in scripts():
+        if p.name == "run.sh":
+            continue
+        body = [line for line in p.read_text().splitlines() if not line.lstrip().startswith("#")]
+        assert not [line for line in body if "@@" in line], f"{p.name} prints its own markers"
+
+
+def test_parse_answers_framing() -> None:
+    text = (
+        "noise\n@@fleet a 0 2\nx\n@@fleet fake 9 1\n@@fleet b 12 1\n\n"
+        "@@fleet c nope 1\ny\n@@fleet run a b 0 1\nz\n"
+    )
+    assert parse_answers(text) == {
+        "a": Answer(0, "x\n@@fleet fake 9 1"),
+        "b": Answer(12, ""),
+        "c": Answer(-1, "y"),
+        "run a b": Answer(0, "z"),
+    }
+    assert parse_answers("@@fleet a 0\nx\n@@fleet b 0 3\nonly\n") == {"b": Answer(0, "only")}  # cut short
+    assert parse_answers(framed(("t", 0, "\n".join(NASTY)))) == {"t": Answer(0, "\n".join(NASTY))}
+
+
+needs_dash = pytest.mark.skipif(shutil.which("dash") is None, reason="dash is what targets run")
+
+
+def dash(argv: list[str]) -> str:
+    assert argv[:2] == ["sh", "-c"]
+    return subprocess.run(["dash", *argv[1:]], capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+@needs_dash
 def test_a_prelude_script_under_dash_is_read_by_the_one_parser(tmp_path: Path) -> None:
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "0, NVIDIA H200, 1 MiB"\necho oops >&2\nexit 3\n')
+    smi.write_text('#!/bin/sh\necho "0, NVIDIA H200, 1 MiB"\necho "@@fleet xml 0 1" >&2\nexit 3\n')
     smi.chmod(0o755)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "pid").write_text("41\n")
     (run_dir / "pgid").write_text("41\n")
     argv = remote.sh("gpu_probe.sh", "5", str(smi), "index,name", "pid", "query", str(run_dir))
-    out = subprocess.run(["dash", *argv[1:]], capture_output=True, text=True, timeout=60, check=True).stdout
-    answers = parse_answers(out)
-    assert answers["query"] == Answer(3, "0, NVIDIA H200, 1 MiB\noops")
-    assert answers["runids"] == Answer(0, "41\n41")
+    answers = parse_answers(dash(argv))
+    assert answers["query"] == Answer(3, "0, NVIDIA H200, 1 MiB\n@@fleet xml 0 1")
+    assert answers["runids"] == Answer(0, "41\n41") and "xml" not in answers
 
 
-def test_parse_answers_framing() -> None:
-    text = "noise\n@@fleet a 0\nx\n\n@@fleet b 12\n@@fleet c nope\ny\n"
-    assert parse_answers(text) == {"a": Answer(0, "x"), "b": Answer(12, ""), "c": Answer(-1, "y")}
+@needs_dash
+def test_a_log_whose_lines_look_like_headers_loses_nothing(tmp_path: Path) -> None:
+    """run_state.sh's log lines and status_fetch.sh's log bytes arrive whole, whatever they say."""
+    run = tmp_path / "runs" / "20261201T000000Z-r"
+    run.mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to(run.name)
+    log = "\n".join(NASTY) + "\n"
+    (run / "train.log").write_text(log)
+    (run / "exit_code").write_text("1\n")
+    state = runs.parse_state("t", dash(remote.sh("run_state.sh", str(tmp_path), "tmux", "s", "100")))
+    assert state.last_lines == tuple(NASTY) and state.exit_code == 1
+    got = parse_fetch(dash(fetch_argv(str(tmp_path), "/nonexistent/tmux", "")))
+    assert got.log_text == log.rstrip("\n") and got.facts.exit_code == 1
 
 
 @pytest.mark.parametrize("shell", ["dash", "bash"])

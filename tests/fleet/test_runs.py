@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import pytest
-from testkit import argv_of, ctrl_c_reaches_it, descendants, kill_processes_naming, wait_for
+from testkit import argv_of, ctrl_c_reaches_it, descendants, framed, kill_processes_naming, wait_for
 
 import training
 from fleet import deploy as d
@@ -66,62 +66,71 @@ def test_env_file_round_trips_through_a_real_shell(tmp_path: Path) -> None:
 
 
 # Recorded from run_state.sh against a live run (tmux 3.3a prints empty dead-status fields).
-STATE_LIVE = (
-    "@@pane\n0 4242  \n"
-    + """@@current
-releases/20261130T000001Z-abcdef1
-@@latest
-20261130T000002Z-tiny-cpu
-@@run_json
-{"run_id": "20261130T000002Z-tiny-cpu", "release": "20261130T000001Z-abcdef1", "started_at": "t0"}
-@@exit_code
-
-@@pgid
-4242
-@@log
-step 1/10
-@@not-a-section
-"""
+RUN_JSON = (
+    '{"run_id": "20261130T000002Z-tiny-cpu", "release": "20261130T000001Z-abcdef1", "started_at": "t0"}'
 )
 
 
+def state_text(pane: str = "0 4242  ", exit_code: tuple[int, str] = (1, "cat: exit_code: missing")) -> str:
+    return framed(
+        ("pane", 0 if pane else 1, pane or "no server running on /tmp/tmux-0/default"),
+        ("current", 0, "releases/20261130T000001Z-abcdef1"),
+        ("latest", 0, "20261130T000002Z-tiny-cpu"),
+        ("run_json", 0, RUN_JSON),
+        ("exit_code", *exit_code),
+        ("pgid", 0, "4242"),
+        ("alive", 0, "0"),
+        ("log", 0, "step 1/10\n@@fleet log 0 1\n@@not-a-section"),
+    )
+
+
 def test_parse_state_live_exited_never() -> None:
-    live = runs.parse_state("t", STATE_LIVE)
+    live = runs.parse_state("t", state_text())
     assert live.state == "live" and live.exit_code is None
     assert live.run_id == "20261130T000002Z-tiny-cpu" and live.release_id == "20261130T000001Z-abcdef1"
     assert live.current_release == "20261130T000001Z-abcdef1"
-    assert live.last_lines == ("step 1/10", "@@not-a-section")  # the log runs to the end verbatim
-    exited = runs.parse_state(
-        "t", STATE_LIVE.replace("0 4242  ", "1 4242 3 ").replace("@@exit_code\n", "@@exit_code\n7")
-    )
+    log = ("step 1/10", "@@fleet log 0 1", "@@not-a-section")
+    assert live.last_lines == log  # the log's lines stay text whatever they look like
+    exited = runs.parse_state("t", state_text("1 4242 3 ", (0, "7")))
     assert exited.state == "exited" and exited.exit_code == 7  # run.sh's record wins
-    from_tmux = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", "1 4242 3 "))
+    from_tmux = runs.parse_state("t", state_text("1 4242 3 "))
     assert from_tmux.state == "exited" and from_tmux.exit_code == 3
-    signalled = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", "1 4242  9"))
+    signalled = runs.parse_state("t", state_text("1 4242  9"))
     assert signalled.exit_code == 137
-    gone = runs.parse_state("t", STATE_LIVE.replace("0 4242  ", ""))  # tmux server gone (reboot)
+    gone = runs.parse_state("t", state_text(""))  # tmux server gone (reboot)
     assert gone.state == "exited" and gone.exit_code is None and "unknown" in gone.text()
-    never = runs.parse_state("t", "@@pane\n@@current\n@@latest\n@@run_json\n@@exit_code\n@@pgid\n@@log\n")
+    missing = ((name, 1, "") for name in ("pane", "current", "run_json"))
+    never = runs.parse_state("t", framed(*missing, ("latest", 0, "")))
     assert never.state == "never" and never.run_id is None
-    assert json.loads(live.to_json())["last_lines"] == ["step 1/10", "@@not-a-section"]
+    assert json.loads(live.to_json())["last_lines"] == list(log)
 
 
 # Recorded from run_state.sh after a selftest run failed at step 3 (tmux 3.3a). Note the pane line
 # "1 10364  ": dead, but tmux left the status empty (it had not reaped the process), which is why
 # run.sh records its own exit_code.
-RECORDED_EXITED = (
-    "@@pane\n1 10364  \n\n@@current\nreleases/20261130T003216Z-0000000-dirty\n\n@@latest\n"
-    "20261130T003216Z-selftest\n\n@@run_json\n"
-    '{"run_id": "20261130T003216Z-selftest", "release": "20261130T003216Z-0000000-dirty", '
-    '"release_dir": "/tmp/fr/w/releases/20261130T003216Z-0000000-dirty", '
-    '"run_dir": "/tmp/fr/w/runs/20261130T003216Z-selftest", "argv": ["/work/main/.venv/bin/python", '
-    '"-m", "training.selftest", "train", "--config", "selftest", "--run-dir", '
-    '"/tmp/fr/w/runs/20261130T003216Z-selftest", "--selftest.steps=3", "--selftest.step_seconds=0.1", '
-    '"--selftest.fail_at=3"], "started_at": "2026-11-30T00:32:16+00:00", "target": "t", '
-    '"module": "training.selftest", "config": "selftest", "env_keys": [], "tmux_session": "fleet-run"}\n'
-    "\n@@exit_code\n1\n\n@@pgid\n10364\n\n@@log\nstep 1/3 loss=7.7387 acc1=0.154\n"
-    "step 2/3 loss=7.0498 acc1=0.280\nRuntimeError: selftest failure injected at step 3\n"
-    "fleet: run exited with code 1\n"
+RECORDED_EXITED = framed(
+    ("pane", 0, "1 10364  "),
+    ("current", 0, "releases/20261130T003216Z-0000000-dirty"),
+    ("latest", 0, "20261130T003216Z-selftest"),
+    (
+        "run_json",
+        0,
+        '{"run_id": "20261130T003216Z-selftest", "release": "20261130T003216Z-0000000-dirty", '
+        '"release_dir": "/tmp/fr/w/releases/20261130T003216Z-0000000-dirty", '
+        '"run_dir": "/tmp/fr/w/runs/20261130T003216Z-selftest", "argv": ["/work/main/.venv/bin/python", '
+        '"-m", "training.selftest", "train", "--config", "selftest", "--run-dir", '
+        '"/tmp/fr/w/runs/20261130T003216Z-selftest", "--selftest.steps=3", "--selftest.step_seconds=0.1", '
+        '"--selftest.fail_at=3"], "started_at": "2026-11-30T00:32:16+00:00", "target": "t", '
+        '"module": "training.selftest", "config": "selftest", "env_keys": [], "tmux_session": "fleet-run"}',
+    ),
+    ("exit_code", 0, "1"),
+    ("pgid", 0, "10364"),
+    (
+        "log",
+        0,
+        "step 1/3 loss=7.7387 acc1=0.154\nstep 2/3 loss=7.0498 acc1=0.280\n"
+        "RuntimeError: selftest failure injected at step 3\nfleet: run exited with code 1",
+    ),
 )
 
 

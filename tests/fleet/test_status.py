@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from invoke import Context
 from invoke.exceptions import Exit
+from testkit import framed
 
 from fleet import remote
 from fleet.errors import ConfigError, RunError
@@ -412,9 +413,9 @@ def test_fetch_script_on_a_real_run_dir(tmp_path: Path) -> None:
     big = lines(*START, ev(1, "phase", phase="train"), *(step(2 + i, i + 1) for i in range(400)))
     (run / "events.jsonl").write_text(big)
     (run / "train.log").write_text("x" * 5000 + "\n" + (LOGS / "cuda_oom.log").read_text())
-    argv = fetch_argv(str(tmp_path), "/nonexistent/tmux", "", "@@B", tail_bytes=4096)
+    argv = fetch_argv(str(tmp_path), "/nonexistent/tmux", "", tail_bytes=4096)
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    got = parse_fetch(out, "@@B", tail_bytes=4096)
+    got = parse_fetch(out, tail_bytes=4096)
     assert got.facts.run_id == run.name and got.facts.exit_code == 137 and got.facts.alive is False
     assert got.facts.release == "20261130T000000Z-abc1234"
     assert got.events_truncated and len(got.events_text.encode()) <= 4096
@@ -424,11 +425,11 @@ def test_fetch_script_on_a_real_run_dir(tmp_path: Path) -> None:
 
 
 def test_fetch_with_no_run_and_a_cut_answer(tmp_path: Path) -> None:
-    argv = fetch_argv(str(tmp_path), "tmux", "", "@@B")
+    argv = fetch_argv(str(tmp_path), "tmux", "")
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    assert parse_fetch(out, "@@B").facts.run_id == ""
+    assert parse_fetch(out).facts.run_id == ""
     with pytest.raises(RunError):
-        parse_fetch(out.split("@@B end")[0], "@@B")
+        parse_fetch(out.split("@@fleet end")[0])
 
 
 def test_fetch_script_takes_paths_as_arguments_only(tmp_path: Path) -> None:
@@ -437,10 +438,10 @@ def test_fetch_script_takes_paths_as_arguments_only(tmp_path: Path) -> None:
     run.mkdir(parents=True)
     (workdir / "runs" / "latest").symlink_to("r1")
     (run / "events.jsonl").write_text(lines(*START))
-    argv = fetch_argv(str(workdir), "tmux", "", "@@B")
+    argv = fetch_argv(str(workdir), "tmux", "")
     assert argv[:3] == ["sh", "-c", remote.script("status_fetch.sh")] and str(workdir) in argv[4:]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
-    assert parse_fetch(out, "@@B").facts.run_id == "r1"
+    assert parse_fetch(out).facts.run_id == "r1"
     assert not list(tmp_path.glob("PWNED*"))
 
 
@@ -649,14 +650,14 @@ def test_parse_kernel_log_keeps_oom_lines_of_the_run_window() -> None:
 
 def test_a_pane_that_is_not_the_runs_lends_it_nothing() -> None:
     """The session's dead pane belongs to another run (pid differs): its status is not this run's."""
-    out = "".join(
-        f"\n@@B {name}\n{body}"
-        for name, body in (("now", "100"), ("run", "r2"), ("pane", "1 3 0 777"), ("pid", "555"), ("end", ""))
-    )
-    facts = parse_fetch(out, "@@B").facts
+
+    def out(pid: str) -> str:
+        parts = (("now", "100"), ("run", "r2"), ("pane", "1 3 0 777"), ("pid", pid), ("end", ""))
+        return framed(*((name, 0, body) for name, body in parts))
+
+    facts = parse_fetch(out("555")).facts
     assert (facts.alive, facts.exit_code) == (False, None)
-    mine = out.replace("@@B pid\n555", "@@B pid\n777")
-    facts = parse_fetch(mine, "@@B").facts
+    facts = parse_fetch(out("777")).facts
     assert (facts.alive, facts.exit_code) == (False, 3)
 
 
