@@ -87,7 +87,7 @@ def test_log_that_stops_moving_is_stalled(remote_fleet: RemoteFleet) -> None:
     start(remote_fleet, "--selftest.steps=3", "--selftest.step_seconds=600")
     _, data, result = poll(remote_fleet, lambda d: d["state"] == "stalled", "stalled")
     assert result.returncode == 11 and data["alive"] is True
-    assert any("no new event" in note for note in data["notes"])
+    assert any("no progress, new event or log output" in note for note in data["notes"])
 
 
 def test_all_targets_one_row_each(remote_fleet: RemoteFleet, tmp_path: Path) -> None:
