@@ -466,6 +466,9 @@ def _info(target: Target, name: str, manifest: dict[str, Any], built: bool) -> E
     )
 
 
+LOCK_QUIET_S = 3.0
+
+
 @contextlib.contextmanager
 def build_lock(target: Target, name: str) -> Iterator[None]:
     """Hold the build lock of env ``name`` on ``target`` for the ``with`` block.
@@ -497,6 +500,7 @@ def build_lock(target: Target, name: str) -> Iterator[None]:
     holder = threading.Thread(target=hold, name=f"env-lock-{name}", daemon=True)
     holder.start()
     waiting = False
+    asked = time.monotonic()
     try:
         while target.run(["cat", "--", lock], check=False).stdout.strip() != token:
             if not holder.is_alive():
@@ -507,7 +511,9 @@ def build_lock(target: Target, name: str) -> Iterator[None]:
                     f"{target.name}: could not take the build lock of env {name} ({lock}, exit "
                     f"{res.exit_code}): {tail_lines(res.stderr or res.stdout, 1)}"
                 )
-            if not waiting:
+            # Our own holder needs a moment (a command over the connection) to write its token:
+            # only a lock still not ours after that is another deploy's.
+            if not waiting and time.monotonic() - asked > LOCK_QUIET_S:
                 print(
                     f"{target.name}: another deploy is building env {name}; waiting for it ({lock})",
                     flush=True,

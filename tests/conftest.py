@@ -75,6 +75,12 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     return report
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per CPU, at most 4. More workers than CPUs starve the CPU-bound
+    trainer tests (each a torch process or a torchrun group) far past their timeouts."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def _group(item: pytest.Item) -> str:
     mark = item.get_closest_marker("xdist_group")
     return str(mark.args[0] if mark and mark.args else "")

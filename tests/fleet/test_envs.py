@@ -325,7 +325,8 @@ def test_drift_rebuild_failed_rebuild_rollback_gc(tmp_path: Path, repo: Path) ->
         finally:
             holder.kill()
             holder.wait()
-        left = sorted(p.name for p in (wd / "envs").iterdir())
+        # the build lock's file stays (an flock on it is the lock; removing it would race a waiter)
+        left = sorted(p.name for p in (wd / "envs").iterdir() if not p.name.startswith(".build-"))
         kept = [Path(first.path).name, Path(fresh.path).name, f"smoke-{'b' * 16}", f"smoke-{'c' * 16}"]
         assert left == sorted(["smoke", *kept])
 
