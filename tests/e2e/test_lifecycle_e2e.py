@@ -292,8 +292,15 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
             timeout=60,
         )
 
-        # 6. A config error (exit 2) is never retried; the webhook hears `failed`.
-        bad = [*RUN["overrides"], "--train.no_such_key=1"]
+        # 6. A config error is never retried; the webhook hears `failed`. One the controller can
+        # read (an unknown key) is refused before anything starts; one only the target can see (a
+        # model folder that is not there) ends the run with exit 2, not retried.
+        unknown = [*RUN["overrides"], "--train.no_such_key=1"]
+        fleet.write(run={**RUN, "overrides": unknown, "restart": {"max": 2, "backoff_s": 1}})
+        refused = fleet.fab("train", "--no-warm", "--fresh")
+        assert refused.returncode == 2 and "--train.no_such_key: unknown key" in refused.stderr, refused
+        assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+        bad = [*RUN["overrides"], "--model.kind=pretrained", "--model.path=/nonexistent/model"]
         fleet.write(run={**RUN, "overrides": bad, "restart": {"max": 2, "backoff_s": 1}})
         ok(fleet.fab("train", "--no-warm", "--fresh"))
         st4 = wait_final(fleet)
