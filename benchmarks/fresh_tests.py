@@ -6,7 +6,8 @@ A new LXC container from the debootstrapped rootfs that tests/hosts/setup caches
 run the setup first), with `procps` removed from it (the rootfs has it; the README's apt line must
 bring it), then exactly what the README says: its `apt-get install -y ...` line, the hostname line
 for /etc/hosts, `git clone`, and `./bootstrap --dev && .venv/bin/python -m pytest`. The host's
-uv cache is bind-mounted (torch is downloaded once per machine, not per run). There is no test
+uv cache and llama.cpp build cache are bind-mounted (torch is downloaded and llama.cpp built once
+per machine, not per run; `--no-llama-cache` builds it inside). There is no test
 host inside, so the hosts tier skips, as it does on any machine without `tests/hosts/setup`.
 
 Prints each step's wall time, the tail of pytest's output and one summary line; exit code is the
@@ -25,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import freshct  # tests/freshct.py: the fresh-container helper of the e2e test
 
+from training.engines.llamacpp import default_cache_root as default_llama_cache
+
 TEST_COMMAND = "./bootstrap --dev && .venv/bin/python -m pytest"
 HOSTNAME_LINE = 'echo "127.0.1.1 $(hostname)" >> /etc/hosts'  # the README's, for a bare chroot
 
@@ -33,13 +36,21 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="keep the container afterwards")
     parser.add_argument("--name", default="fresh-tests", help="container name (default: fresh-tests)")
+    parser.add_argument(
+        "--no-llama-cache", dest="llama_cache", action="store_false", help="build llama.cpp inside"
+    )
     parser.add_argument("--timeout", type=float, default=5400, help="seconds for the test command")
     args = parser.parse_args(argv)
 
     uv = str(freshct.REPO / ".venv" / "bin" / "uv")
     uv_dir = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
     started = time.monotonic()
-    ct = freshct.create(args.name, uv_cache=Path(uv_dir))
+    # The llama.cpp build is a per-machine cache like uv's (its first build: ~35 min on 2 cores):
+    # this machine's is bind-mounted in when it exists (the same Debian 12), else built inside.
+    llama = default_llama_cache()
+    binds = {llama: "/root/.cache/fleet-llama.cpp"} if args.llama_cache and llama.is_dir() else {}
+    ct = freshct.create(args.name, uv_cache=Path(uv_dir), binds=binds)
+    print(f"fresh_tests: bind-mounted: uv cache {uv_dir}" + "".join(f", {h}" for h in binds), flush=True)
     try:
         steps = [
             ("remove procps (the rootfs cache has it)", "apt-get purge -y -qq procps >/dev/null", 600),

@@ -86,9 +86,16 @@ class FreshContainer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def create(name: str, *, uv_cache: Path | None = None, rootfs_cache: Path = ROOTFS_CACHE) -> FreshContainer:
+def create(
+    name: str,
+    *,
+    uv_cache: Path | None = None,
+    binds: dict[Path, str] | None = None,
+    rootfs_cache: Path = ROOTFS_CACHE,
+) -> FreshContainer:
     """A new container ``name`` (an old one of that name is removed first), started, with the repo's
-    HEAD as a bare clone at /root/fleet.git and this machine's site CAs trusted."""
+    HEAD as a bare clone at /root/fleet.git and this machine's site CAs trusted. ``uv_cache`` and
+    ``binds`` (host folder -> absolute path inside) are per-machine caches bind-mounted in."""
     if not (rootfs_cache / ".fleet-complete").is_file():
         raise FileNotFoundError(f"{rootfs_cache} is not a complete rootfs cache: run tests/hosts/setup")
     base = lxc_path() / name
@@ -103,6 +110,9 @@ def create(name: str, *, uv_cache: Path | None = None, rootfs_cache: Path = ROOT
     if uv_cache is not None:
         uv_cache.mkdir(parents=True, exist_ok=True)
         mounts = f"lxc.mount.entry = {uv_cache} {CT_UV_CACHE.lstrip('/')} none bind,create=dir 0 0\n"
+    for host_dir, inside in (binds or {}).items():
+        host_dir.mkdir(parents=True, exist_ok=True)
+        mounts += f"lxc.mount.entry = {host_dir} {inside.lstrip('/')} none bind,create=dir 0 0\n"
     # As tests/hosts/setup: host network, no AppArmor, no cgroup limits; init.lxc reaps orphans.
     (base / "config").write_text(
         "lxc.include = /usr/share/lxc/config/common.conf\n"
