@@ -254,6 +254,7 @@ def sshd_sessions(master_pidfile: str) -> list[int]:
     return found
 
 
+@pytest.mark.exclusive_host  # it drops every session of the shared sshd: the other tests' too
 def test_status_watch_rides_out_a_dropped_ssh_session(remote_fleet: RemoteFleet) -> None:
     fleet, hosts = remote_fleet, remote_fleet.hosts
     selftest(fleet, ["--selftest.steps=40", "--selftest.step_seconds=0.2"])
