@@ -3,9 +3,10 @@
 Tests import helpers with `from testkit import ...` (a unique module name: `import conftest`
 would be ambiguous, since tests/training has a conftest.py of its own).
 
-The suite runs on several pytest-xdist workers (pyproject's addopts: `-n`, `--dist loadgroup`):
-- each test module is one group (one worker runs all of it, in order, with its module fixtures
-  built once), unless its tests carry an explicit ``xdist_group`` mark;
+The suite runs on several pytest-xdist workers (pyproject's addopts: `-n auto`, `--dist loadscope`):
+- each test module is one unit of work (one worker runs all of it, in order, with its module
+  fixtures built once; a test class is a unit of its own). Not ``loadgroup``: under the locked pytest (9.2)
+  xdist's ``@group`` suffix on node ids is lost, and every test became a unit of its own;
 - modules with `slow` tests are handed out first (the longest work starts early);
 - a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
   devices, /etc/hosts, mounts) runs while no other test uses the test host
@@ -49,13 +50,10 @@ def pytest_configure(config: pytest.Config) -> None:
         testkit.start_session_marker()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    slow_groups = {_group(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _group(item) not in slow_groups)  # stable: file order kept otherwise
+    # `--no-loadscope-reorder`: xdist hands out modules in this order
+    slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _module(item) not in slow_modules)  # stable: file order kept otherwise
 
 
 @pytest.hookimpl(wrapper=True)
@@ -81,9 +79,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0] if mark and mark.args else "")
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 @pytest.fixture(autouse=True)
