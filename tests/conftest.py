@@ -6,7 +6,8 @@ would be ambiguous, since tests/training has a conftest.py of its own).
 The suite runs on several pytest-xdist workers (pyproject's addopts: `-n auto`, `--dist loadscope`):
 - each test module is one unit of work (one worker runs all of it, in order, with its module
   fixtures built once; a test class is a unit of its own). Not ``loadgroup``: under the locked pytest (9.2)
-  xdist's ``@group`` suffix on node ids is lost, and every test became a unit of its own;
+  xdist's ``@group`` suffix on node ids is lost (pytest-dev/pytest-xdist#1386) and every test
+  became a unit of its own (tests/test_suite_layout.py checks this);
 - modules with `slow` tests are handed out first (the longest work starts early);
 - a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
   devices, /etc/hosts, mounts) runs while no other test uses the test host

@@ -16,6 +16,7 @@ python3-venv, `./bootstrap` installs uv into .venv through the system pip, never
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -30,11 +31,18 @@ from fleet.envs import controller_uv
 pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.own_container]
 
 FIRST = "./bootstrap && .venv/bin/fab deploy train"
-# The README's test command on the fast tier, without the torchrun jobs of test_topology.py (minutes
-# on 2 cores; they run on the host): the hosts tier needs the test host, the slow one time.
+# The README's test command on a fresh machine, within the suite's time: every module collected (a
+# package the README omits fails an import), then the fast tier of the modules that use what a
+# fresh machine may lack (ps, flock, tmux, dash, the hostname resolving). The whole command in a
+# fresh container, every tier: benchmarks/fresh_tests.py (its time in benchmarks/RESULTS.md).
+MACHINE_TOOL_MODULES = (
+    "tests/fleet/test_runs.py tests/fleet/test_gpus.py tests/fleet/test_doctor.py "
+    "tests/fleet/test_doctor_local.py tests/fleet/test_inventory.py tests/fleet/test_target_local.py "
+    "tests/fleet/test_liveness.py"
+)
+COLLECT = "./bootstrap --dev && .venv/bin/python -m pytest -q -p no:cacheprovider --collect-only -n 0"
 TESTS = (
-    "./bootstrap --dev && .venv/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not hosts' "
-    "--ignore=tests/training/test_topology.py"
+    ".venv/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not hosts' " + MACHINE_TOOL_MODULES
 )
 # A 1+1 topology run: this container's hostname has no /etc/hosts line (none at all, as debootstrap
 # leaves it), where torchrun --standalone never forms its rendezvous.
@@ -121,11 +129,16 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
         and ct.path("/root/drafter/model.safetensors").exists()
     )
 
-    # 3. The README's test command, fast tier, on a machine `fab doctor` finds fit (the hostname
-    # resolves, as on a Proxmox container); then a topology run where the hostname does not resolve.
+    # 3. The README's test command (all collected, the machine-tool modules run) on a machine `fab
+    # doctor` finds fit (the hostname resolves, as on a Proxmox container); then a topology run
+    # where the hostname does not resolve.
     hosts = ct.path("/etc/hosts")
     bare_hosts = hosts.read_text() if hosts.exists() else ""
     hosts.write_text(bare_hosts + f"127.0.1.1\t{ct.name}\n")
+    collected = ct.sh(f"cd /root/fleet && {COLLECT}", timeout=1200)
+    assert collected.returncode == 0, collected.stdout[-6000:] + collected.stderr[-3000:]
+    assert re.search(r"^\d+ tests collected", collected.stdout, re.M), collected.stdout[-2000:]
+    assert "skipped" not in collected.stdout.splitlines()[-1], collected.stdout[-2000:]  # no torch-less skips
     tests, _ = freshct.timed(ct, f"cd /root/fleet && {TESTS}", timeout=2400)
     hosts.write_text(bare_hosts)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]

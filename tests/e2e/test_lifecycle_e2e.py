@@ -316,10 +316,9 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
         hook.wait(timeout=30)
     got = received(hosts, out)
     states = [r["body"]["state"] for r in got]
-    # (a slow start-up may be reported as a stall too: stall_window_s is short here)
-    assert states.count("restarted") == 1 and "stalled" in states and states[-2:] == ["finished", "failed"], (
-        states
-    )
+    # (a slow start-up may be reported as a stall too, of either run: stall_window_s is short here)
+    ends = [state for state in states if state != "stalled"]
+    assert ends == ["restarted", "finished", "failed"] and "stalled" in states, states
     by_state = {r["body"]["state"]: r["body"] for r in got}
     assert by_state["restarted"]["run"] == run3 and by_state["restarted"]["cause"].startswith("exit 137")
     assert by_state["finished"]["step"] == STEPS and by_state["failed"]["cause"].startswith("exit 2")

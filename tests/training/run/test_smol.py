@@ -46,6 +46,9 @@ OVERRIDES = [
     "--eval.max_new_tokens=16",
     "--train.steps=120",
     "--train.log_every=40",
+    # one torch thread: beside another worker's torch process on a 2-core machine, the config's
+    # two threads spin on each other (this run took 1,117 s in CI instead of ~200 s)
+    "--train.torch_threads=1",
 ]
 
 pytestmark = pytest.mark.slow

@@ -16,12 +16,26 @@ REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.slow
 
+# One torch thread: beside another worker's torch process on a 2-core machine, the config's two
+# threads spin on each other (a 60 s run took 712 s in CI).
+ONE_THREAD = ["--train.torch_threads=1"]
+
 
 def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp_path: Path) -> None:
     env = {**os.environ, "FLEET_TRAINING_CACHE": str(tiny_cache)}
     run_dir = tmp_path / "run"
     train = subprocess.run(
-        [sys.executable, "-m", "training", "train", "--config", "tiny-cpu", "--run-dir", str(run_dir)],
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "train",
+            "--config",
+            "tiny-cpu",
+            "--run-dir",
+            str(run_dir),
+            *ONE_THREAD,
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -82,7 +96,12 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     are (multimodal), loaded text-only: a short run learns, reports its kernels, and eval runs."""
     env = {**os.environ, "FLEET_TRAINING_CACHE": str(tiny_cache)}
     run_dir = tmp_path / "run"
-    overrides = ["--model.checkpoint_layout=multimodal", "--train.steps=20", "--checkpoint.every=0"]
+    overrides = [
+        "--model.checkpoint_layout=multimodal",
+        "--train.steps=20",
+        "--checkpoint.every=0",
+        *ONE_THREAD,
+    ]
     overrides += ["--eval.num_prompts=2", "--eval.max_new_tokens=16"]
     train = subprocess.run(
         [
