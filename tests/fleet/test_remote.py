@@ -152,3 +152,66 @@ def test_env_lock_holds_until_its_stdin_ends(shell: str, tmp_path: Path) -> None
     assert waiter.stdin is not None
     waiter.stdin.close()
     assert waiter.wait(timeout=30) == 0
+
+
+def _populated_workdir(root: Path) -> dict[str, list[str]]:
+    """A workdir with a release, `current`, a run and a compile-cache key; a fake nvidia-smi. Returns
+    each script's arguments against it (what fleet sends, less the tmux of a live run)."""
+    wd = root / "wd"
+    (wd / "releases" / "r1").mkdir(parents=True)
+    (wd / "releases" / "r1" / "MANIFEST").write_text("release r1\n")
+    (wd / "current").symlink_to("releases/r1")
+    run = wd / "runs" / "20261201T000000Z-r"
+    run.mkdir(parents=True)
+    (wd / "runs" / "latest").symlink_to(run.name)
+    (run / "run.json").write_text('{"run_id": "r"}\n')
+    (run / "pid").write_text("41\n")
+    (run / "pgid").write_text("41\n")
+    key = root / "cache" / "key-a"
+    key.mkdir(parents=True)
+    (key / "manifest.json").write_text('{"k": 1}\n')
+    (key / "megacache.bin").write_bytes(b"x")
+    smi = root / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "0, NVIDIA H200, 1 MiB"\n')
+    smi.chmod(0o755)
+    return {
+        "compile_list.sh": [str(root / "cache"), "manifest.json", "megacache.bin"],
+        "deploy_current.sh": [str(wd), "MANIFEST"],
+        "deploy_prepare.sh": [str(wd), "/nonexistent/tmux", "fleet-run", "run.json"],
+        "gpu_probe.sh": ["5", str(smi), "index,name", "pid", "query", str(run)],
+        "runs_list.sh": [str(wd), "1"],
+        "run_state.sh": [str(wd), "/nonexistent/tmux", "fleet-run", "10"],
+    }
+
+
+# What each script must answer on the populated workdir, under either shell.
+EXPECTED = {
+    "compile_list.sh": {"key key-a": Answer(0, '{"k": 1}')},
+    "deploy_current.sh": {"link": Answer(0, "releases/r1"), "manifest": Answer(0, "release r1")},
+    "deploy_prepare.sh": {"releases": Answer(0, "r1"), "run_json": Answer(0, '{"run_id": "r"}')},
+    "gpu_probe.sh": {"query": Answer(0, "0, NVIDIA H200, 1 MiB"), "runids": Answer(0, "41\n41")},
+    "runs_list.sh": {"latest": Answer(0, "20261201T000000Z-r")},
+    "run_state.sh": {"run_json": Answer(0, '{"run_id": "r"}')},
+}
+
+
+@pytest.mark.skipif(not (shutil.which("dash") and shutil.which("bash")), reason="needs dash and bash")
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_a_script_answers_the_same_under_dash_and_bash(name: str, tmp_path: Path) -> None:
+    """Targets' /bin/sh is dash on Debian and Proxmox, bash elsewhere: the same answers from both."""
+    args = _populated_workdir(tmp_path)[name]
+    answers = {}
+    for shell in ("dash", "bash"):
+        argv = remote.sh(name, *args)
+        done = subprocess.run([shell, *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, (shell, done.stderr)
+        answers[shell] = parse_answers(done.stdout)
+        for section, answer in EXPECTED[name].items():
+            assert answers[shell].get(section) == answer, (shell, section, answers[shell])
+    # every section, its exit status, and its text (a missing command's message is the shell's own)
+    codes = {shell: {k: a.exit_code for k, a in got.items()} for shell, got in answers.items()}
+    assert codes["dash"] == codes["bash"]
+    texts = {
+        shell: {k: a.output for k, a in got.items() if a.exit_code != 127} for shell, got in answers.items()
+    }
+    assert texts["dash"] == texts["bash"]
