@@ -703,6 +703,83 @@ def hostile_workdir(s: Suite) -> tuple[int, int, str]:
     return 0, int(injected) + int(st.get("state") != "finished"), f"no shell ran it; run {st.get('state')}"
 
 
+def host_unreachable_under_run(s: Suite) -> tuple[int, int, str]:
+    """The controller loses the host (sshd down as seen from here) while a run trains, then finds it again."""
+    s.reset()
+    s.fab("deploy", "train", "--no-warm")
+    run_id = s.latest()
+    run_dir = f"{s.workdir}/runs/{run_id}"
+    s.wait(lambda: bool(s.trainers(run_dir)))
+    reachable = s.config.read_text()
+    s.target["host"] = f"{s.hosts.ssh_user}@127.0.0.1:1"  # nothing listens there
+    s.config.write_text(render_inventory({"ct200": s.target}, "ct200"))
+    answers = [s.fab("status"), s.fab("stop"), s.fab("train", "--no-warm")]
+    wrong = sum(int(r.returncode != 3 or len(fleet_lines(r)) != 1) for r in answers)
+    trained_on = bool(s.trainers(run_dir))
+    s.config.write_text(reachable)
+    st = s.status()
+    wrong += int(not trained_on or st.get("state") != "training" or st.get("run_id") != run_id)
+    lost = int(run_id not in s.runs())
+    return lost, wrong, f"status/stop/train: one line each, exit 3; the run trained on ({st.get('state')})"
+
+
+def parallel_stops(s: Suite) -> tuple[int, int, str]:
+    s.reset()
+    s.fab("deploy", "train", "--no-warm")
+    run_id = s.latest()
+    run_dir = f"{s.workdir}/runs/{run_id}"
+    s.wait(lambda: bool(s.trainers(run_dir)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(FLEET_CONFIG=str(s.config))
+    procs = [
+        subprocess.Popen(
+            [str(FAB), "stop"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    codes = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        s.outputs.append(out + err)
+        codes.append(p.returncode)
+    st = final_state(s, 60)
+    wrong = int(codes != [0, 0, 0] or st.get("state") != "stopped" or bool(s.trainers(run_dir)))
+    return int(run_id not in s.runs()), wrong, f"exits {codes}, run {st.get('state')}"
+
+
+def disk_full_at_checkpoint(s: Suite) -> tuple[int, int, str]:
+    """runs/ on a tmpfs; once checkpoints exist, a filler leaves less than one checkpoint free."""
+    runs = f"{s.workdir}/runs"
+    tiny(s, "--checkpoint.every=1")
+    s.fab("deploy", timeout=1800)
+    tmpfs(s, runs, "96m")
+    try:
+        run_dir = start_tiny(s, 2)
+        if not run_dir:
+            st = s.status()
+            why = (st.get("diagnosis") or [{}])[0].get("cause", st.get("state"))
+            return 0, 1, f"the run never reached step 2: {str(why)[:80]}"
+        folder = s.hosts.ct_path(f"{run_dir}/checkpoints")
+        size = max(p.stat().st_size for p in folder.glob("step-*.pt"))
+        free = s.ct("df", "-B1", "--output=avail", runs).stdout.split()[-1]
+        filler = f"{runs}/.filler"
+        s.ct("fallocate", "-l", str(max(int(free) - size // 2, 0)), filler)
+        st = final_state(s, 600)
+        diag = " ".join(str(d.get("cause", "")) for d in st.get("diagnosis") or [])
+        wrong = int(st.get("state") != "failed" or "no space left" not in diag.lower())
+        kept = saved_steps(s, run_dir)
+        s.ct("rm", "-f", "--", filler)
+        res = s.fab("train", "--no-warm", timeout=600)
+        m = RESUMED.search(res.stdout)
+        wrong += int(res.returncode != 0 or not m or not kept or int(m.group(2)) != kept[-1] + 1)
+        s.stop_all()
+        resumed = m.group(2) if m else "?"
+        return int(not kept), wrong, f"failed: {diag[:60]}; kept {kept}; resumed at {resumed}"
+    finally:
+        s.stop_all()
+        untmpfs(s, runs)
+
+
 SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "notify url with a control character": notify_bad_url,
     "notify header outside latin-1": notify_bad_header,
@@ -720,6 +797,8 @@ SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "three parallel `fab train`": parallel_trains,
     "hostile workdir (space, ;, $(), backticks, quotes)": hostile_workdir,
     "sshd down": sshd_down,
+    "host unreachable under a live run, then back": host_unreachable_under_run,
+    "three parallel `fab stop`": parallel_stops,
     "disk full at deploy (workdir on a 64 KB tmpfs)": disk_full_at_deploy,
     "disk full at launch (runs/ on a full tmpfs)": disk_full_at_launch,
     "disk full at env build (envs/ on a 200 KB tmpfs)": disk_full_at_env_build,
@@ -727,6 +806,7 @@ SCENARIOS: dict[str, Callable[[Suite], tuple[int, int, str]]] = {
     "newest checkpoint overwritten (4 KB), later one truncated": damaged_checkpoints,
     "non-finite loss with a restart policy": nan_loss_with_restarts,
     "kill -9 of the trainer mid-checkpoint-write": kill_mid_checkpoint,
+    "disk full at a checkpoint write (runs/ on a tmpfs, filled)": disk_full_at_checkpoint,
 }
 PENDING: dict[str, str] = {}
 # What goes between scenarios: runs/ and every env but the torch one (thousands of files, reused).

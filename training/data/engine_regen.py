@@ -344,10 +344,16 @@ class _Progress:
 
 
 def regenerate_file(
-    input_path: Path, output: Path, settings: RegenSettings, *, quiet: bool = False
+    input_path: Path,
+    output: Path,
+    settings: RegenSettings,
+    *,
+    quiet: bool = False,
+    on_done: Callable[[int], None] | None = None,
 ) -> RegenResult:
     """Regenerate ``input_path`` into ``output`` (+ its error/skipped files), resuming where a
-    previous run of the same output stopped."""
+    previous run of the same output stopped. ``on_done(n)``: after each record is written, the
+    records done so far (those of an earlier run included), e.g. a ``training.progress`` update."""
     if not input_path.is_file():
         raise ConfigError(f"regen: input {input_path} does not exist")
     if output.resolve() == input_path.resolve():
@@ -404,6 +410,8 @@ def regenerate_file(
                         kinds[line.get("error_kind", "?")] = kinds.get(line.get("error_kind", "?"), 0) + 1
                     if progress is not None:
                         progress.update(used)
+                    if on_done is not None:
+                        on_done(min(len(done), total) + sum(counts.values()))
     finally:
         for handle in handles.values():
             handle.flush()

@@ -257,7 +257,9 @@ def server_regenerated_data(
         retries=3,
         retry_errors=True,
     )
-    result = regenerate_file(inputs, output, settings, quiet=True)
+    what = f"regenerating the data through {where} ({len(prompts)} replies)"
+    with Progress("load_data", what, len(prompts), "replies", echo=echo) as progress:
+        result = regenerate_file(inputs, output, settings, quiet=True, on_done=progress.update)
     echo(result.text())
     if result.error or result.skipped or not result.balanced:
         error_path = output.with_name("regen_error.jsonl")

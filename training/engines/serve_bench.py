@@ -12,8 +12,11 @@ order), greedy, with the newest checkpoint:
 3. llama-server with the target alone, then with the drafter (``--spec-type draft-dflash``) at each
    draft length (default: block - 1 and a few shorter ones), each a fresh server
    (``training.engines.server``): decode tokens/s, drafted / accepted / rounds from the server's
-   counters, and the greedy tokens, which must equal the target alone's (speculative decoding
-   with greedy verification changes speed, never the text).
+   counters, and the greedy tokens, compared with the target alone's (speculative decoding with
+   greedy verification changes speed, not the text, where the engine's arithmetic does not depend
+   on how many tokens one forward holds: llama.cpp's CPU backend; its CUDA backend is not batch
+   invariant, so a block verified at once can part from one-token decoding at a near tie,
+   ggml-org/llama.cpp#27407; ``first_diff`` says where the texts part).
 
 Result (``ServeBench``): one ``serve_bench`` event in the run dir, ``<run_dir>/serve-bench.json``,
 and the table on stdout. ``agreement`` is the engine's mean accepted length per round at draft
@@ -51,6 +54,7 @@ class Row:
     accept_rate: float
     mean_len: float
     identical: int  # prompts whose greedy tokens equal the target alone's
+    first_diff: int  # median index of the first differing token over the prompts that differ; -1: none
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class ServeBench:
             "mean_len": [r.mean_len for r in self.rows],
             "accept_rate": [r.accept_rate for r in self.rows],
             "identical": [r.identical for r in self.rows],
+            "first_diff": [r.first_diff for r in self.rows],
             "best_draft": self.best_draft,
             "best_speedup": self.best_speedup,
             "engine_tau": self.engine_tau,
@@ -106,9 +111,10 @@ class ServeBench:
             name = "alone" if r.draft == 0 else str(r.draft)
             acc = f"{r.accepted}/{r.drafted} ({r.accept_rate:.0%})" if r.draft else "-"
             per = f"{r.mean_len:.3f}" if r.draft else "-"
+            part = f" (the others part at token {r.first_diff}, median)" if r.first_diff >= 0 else ""
             lines.append(
                 f"{name:>5} {r.tok_s:8.1f} {r.speedup:7.2f}x {acc:>17} {per:>9} "
-                f"{r.identical:>4}/{self.prompts}"
+                f"{r.identical:>4}/{self.prompts}{part}"
             )
         lines.append(
             f"best: draft {self.best_draft}, {self.best_speedup:.2f}x; engine {self.engine_tau:.3f} vs "
@@ -141,6 +147,11 @@ def summarize(
             (a.tokens, a.text) == (b.tokens, b.text)
             for a, b in zip(alone.completions, run.completions, strict=True)
         )
+        diffs = sorted(
+            _first_diff(a.tokens, b.tokens)
+            for a, b in zip(alone.completions, run.completions, strict=True)
+            if (a.tokens, a.text) != (b.tokens, b.text)
+        )
         rows.append(
             Row(
                 draft=run.draft,
@@ -153,6 +164,7 @@ def summarize(
                 accept_rate=round(run.accept_rate, 4),
                 mean_len=round(run.mean_len, 4),
                 identical=same,
+                first_diff=diffs[len(diffs) // 2] if diffs else -1,
             )
         )
     drafts = [r for r in rows if r.draft]
@@ -179,6 +191,11 @@ def summarize(
     )
 
 
+def _first_diff(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Where two completions part: the first differing index (the shorter's length for a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def parse_lengths(text: str) -> list[int] | None:
     """``"3,7"`` -> [3, 7]; "" -> None (the defaults)."""
     if not text.strip():
@@ -192,6 +209,18 @@ def parse_lengths(text: str) -> list[int] | None:
 def default_draft_lengths(block_size: int) -> list[int]:
     full = block_size - 1
     return sorted({n for n in (1, 3, full // 2, full) if 1 <= n <= full})
+
+
+def bench_lengths(requested: list[int] | None, block_size: int) -> list[int]:
+    """The draft lengths to serve: those asked for (else the defaults) and always block - 1, the
+    length the project's eval drafts, where the agreement is read."""
+    lengths = sorted({*(requested or default_draft_lengths(block_size)), block_size - 1})
+    if any(not 1 <= n < block_size for n in lengths):
+        raise ConfigError(
+            f"serve-bench --draft-lengths {lengths}: each must be 1..{block_size - 1} "
+            f"(block size {block_size})"
+        )
+    return lengths
 
 
 def serve_bench(
@@ -217,11 +246,7 @@ def serve_bench(
     config = read_config(run_dir)
     build = build or ensure_llamacpp(default_cache_root())
     block = config.drafter.block_size
-    lengths = draft_lengths or default_draft_lengths(block)
-    if any(not 1 <= n < block for n in lengths):
-        raise ConfigError(
-            f"serve-bench --draft-lengths {lengths}: each must be 1..{block - 1} (block size {block})"
-        )
+    lengths = bench_lengths(draft_lengths, block)
     max_new = max_new_tokens or config.eval.max_new_tokens
     trainer = Trainer(config, run_dir, eval_only=True)
     try:

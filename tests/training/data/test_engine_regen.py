@@ -148,8 +148,10 @@ def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server
     with open(inputs, "a") as handle:
         handle.write(json.dumps(skipped_input) + "\n")
     settings = RegenSettings(servers=(server.url,), max_tokens=24, temperature=0.0, concurrency=2)
-    result = regenerate_file(inputs, tmp_path / "out.jsonl", settings, quiet=True)
+    reported: list[int] = []
+    result = regenerate_file(inputs, tmp_path / "out.jsonl", settings, quiet=True, on_done=reported.append)
     assert (result.success, result.error, result.skipped, result.balanced) == (8, 0, 1, True)
+    assert reported == list(range(1, 10))  # one report per record written, cumulative
     assert result.completion_tokens > 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert all(

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from training.engines.serve_bench import default_draft_lengths, parse_lengths, summarize
+from training.config import ConfigError
+from training.engines.serve_bench import bench_lengths, default_draft_lengths, parse_lengths, summarize
 from training.engines.server import SPEC_COUNTERS, Completion, EngineRun, parse_metrics
 
 # The shape of llama-server's /metrics (tools/server/server-task.cpp: HELP, TYPE, then the value).
@@ -61,6 +62,8 @@ def test_summary_speedup_acceptance_and_identity() -> None:
     assert [r.tok_s for r in out.rows] == [40.0, 80.0, 160.0]
     assert [r.speedup for r in out.rows] == [1.0, 2.0, 4.0]
     assert [r.identical for r in out.rows] == [2, 2, 1]
+    assert [r.first_diff for r in out.rows] == [-1, -1, 3]  # "efgX" parts from "efgh" at index 3
+    assert "part at token 3" in out.text()
     assert out.rows[1].mean_len == pytest.approx(2.2) and out.rows[1].accept_rate == pytest.approx(
         12 / 70, abs=1e-4
     )
@@ -73,6 +76,10 @@ def test_draft_lengths() -> None:
     assert default_draft_lengths(16) == [1, 3, 7, 15]
     assert default_draft_lengths(8) == [1, 3, 7]
     assert parse_lengths("7,3, 3") == [3, 7] and parse_lengths("") is None
+    assert bench_lengths([3], 8) == [3, 7]  # block - 1 always: the agreement is read there
+    assert bench_lengths(None, 16) == [1, 3, 7, 15]
+    with pytest.raises(ConfigError, match=r"each must be 1\.\.7"):
+        bench_lengths([8], 8)
 
 
 def test_serve_bench_of_a_dir_without_a_run_is_one_line_and_writes_no_event(
