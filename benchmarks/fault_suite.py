@@ -748,33 +748,45 @@ def parallel_stops(s: Suite) -> tuple[int, int, str]:
 
 
 def disk_full_at_checkpoint(s: Suite) -> tuple[int, int, str]:
-    """runs/ on a tmpfs; once checkpoints exist, a filler leaves less than one checkpoint free."""
+    """runs/ on a tmpfs; once checkpoints exist, a filler leaves less than one checkpoint free.
+    The tmpfs is the container's own mount: read through `pct exec`, not the host's rootfs path."""
     runs = f"{s.workdir}/runs"
+
+    def ct_steps(run_dir: str) -> list[int]:
+        out = s.ct("sh", "-c", 'tail -c 65536 -- "$1/events.jsonl" 2>/dev/null', "x", run_dir).stdout
+        return [int(m) for m in re.findall(r'"event": ?"step".*?"step": ?(\d+)', out)]
+
+    def ct_saved(run_dir: str) -> dict[int, int]:
+        listing = 'stat -c "%n %s" -- "$1"/checkpoints/step-*.pt 2>/dev/null'
+        out = s.ct("sh", "-c", listing, "x", run_dir).stdout
+        found = re.findall(r"step-(\d{8})\.pt (\d+)", out)
+        return {int(step): int(size) for step, size in found}
+
     tiny(s, "--checkpoint.every=1")
     s.fab("deploy", timeout=1800)
     tmpfs(s, runs, "96m")
     try:
-        run_dir = start_tiny(s, 2)
-        if not run_dir:
-            st = s.status()
-            why = (st.get("diagnosis") or [{}])[0].get("cause", st.get("state"))
-            return 0, 1, f"the run never reached step 2: {str(why)[:80]}"
-        folder = s.hosts.ct_path(f"{run_dir}/checkpoints")
-        size = max(p.stat().st_size for p in folder.glob("step-*.pt"))
+        s.fab("train", "--no-warm", timeout=1800)
+        run_dir = f"{runs}/{s.latest()}"
+        if not s.wait(lambda: len(ct_saved(run_dir)) >= 2 or s.status().get("alive") is False, 1200):
+            return 0, 1, "no two checkpoints in 1200 s"
+        saved = ct_saved(run_dir)
+        if len(saved) < 2:
+            return 0, 1, f"the run ended with checkpoints {sorted(saved)}: {s.status().get('state')}"
         free = s.ct("df", "-B1", "--output=avail", runs).stdout.split()[-1]
         filler = f"{runs}/.filler"
-        s.ct("fallocate", "-l", str(max(int(free) - size // 2, 0)), filler)
+        s.ct("fallocate", "-l", str(max(int(free) - max(saved.values()) // 2, 0)), filler)
         st = final_state(s, 600)
         diag = " ".join(str(d.get("cause", "")) for d in st.get("diagnosis") or [])
         wrong = int(st.get("state") != "failed" or "no space left" not in diag.lower())
-        kept = saved_steps(s, run_dir)
+        kept = sorted(ct_saved(run_dir))
         s.ct("rm", "-f", "--", filler)
         res = s.fab("train", "--no-warm", timeout=600)
         m = RESUMED.search(res.stdout)
         wrong += int(res.returncode != 0 or not m or not kept or int(m.group(2)) != kept[-1] + 1)
-        s.stop_all()
+        s.wait(lambda: bool(ct_steps(run_dir)) and ct_steps(run_dir)[-1] > (kept[-1] if kept else 0), 600)
         resumed = m.group(2) if m else "?"
-        return int(not kept), wrong, f"failed: {diag[:60]}; kept {kept}; resumed at {resumed}"
+        return int(not kept), wrong, f"failed: {diag[:60]}; kept {kept[-3:]}; resumed at {resumed}"
     finally:
         s.stop_all()
         untmpfs(s, runs)

@@ -467,6 +467,7 @@ def _info(target: Target, name: str, manifest: dict[str, Any], built: bool) -> E
 
 
 LOCK_QUIET_S = 3.0
+LOCK_WAIT_S = 20.0  # one remote wait per this many seconds while another deploy builds
 
 
 @contextlib.contextmanager
@@ -499,27 +500,29 @@ def build_lock(target: Target, name: str) -> Iterator[None]:
     target.run(["mkdir", "-p", "--", envs])  # also opens the connection before a second thread uses it
     holder = threading.Thread(target=hold, name=f"env-lock-{name}", daemon=True)
     holder.start()
-    waiting = False
-    asked = time.monotonic()
+
+    def held(seconds: float) -> bool:
+        """Whether the lock holds our token within ``seconds`` (one call, waiting on the target)."""
+        if not holder.is_alive():
+            if "error" in outcome:
+                raise outcome["error"]
+            res: CommandResult = outcome["result"]
+            raise EnvError(
+                f"{target.name}: could not take the build lock of env {name} ({lock}, exit "
+                f"{res.exit_code}): {tail_lines(res.stderr or res.stdout, 1)}"
+            )
+        argv = remote.sh("env_lock_wait.sh", lock, token, str(int(seconds)))
+        return target.run(argv, timeout=seconds + 60, check=False).stdout.strip() == "held"
+
     try:
-        while target.run(["cat", "--", lock], check=False).stdout.strip() != token:
-            if not holder.is_alive():
-                if "error" in outcome:
-                    raise outcome["error"]
-                res: CommandResult = outcome["result"]
-                raise EnvError(
-                    f"{target.name}: could not take the build lock of env {name} ({lock}, exit "
-                    f"{res.exit_code}): {tail_lines(res.stderr or res.stdout, 1)}"
-                )
-            # Our own holder needs a moment (a command over the connection) to write its token:
-            # only a lock still not ours after that is another deploy's.
-            if not waiting and time.monotonic() - asked > LOCK_QUIET_S:
-                print(
-                    f"{target.name}: another deploy is building env {name}; waiting for it ({lock})",
-                    flush=True,
-                )
-                waiting = True
-            time.sleep(0.5)
+        # Our own holder needs a moment (a command over the connection) to write its token: only
+        # a lock still not ours after that is another deploy's.
+        if not held(LOCK_QUIET_S):
+            print(
+                f"{target.name}: another deploy is building env {name}; waiting for it ({lock})", flush=True
+            )
+            while not held(LOCK_WAIT_S):
+                pass
         yield
     finally:
         released.set()

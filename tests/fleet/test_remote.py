@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,29 @@ def test_env_lock_holds_until_its_stdin_ends(shell: str, tmp_path: Path) -> None
     assert waiter.stdin is not None
     waiter.stdin.close()
     assert waiter.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_env_lock_wait_answers_held_once_the_token_is_there(shell: str, tmp_path: Path) -> None:
+    """env_lock_wait.sh: `held` once the lock file holds the token (written while it waits), else
+    `waiting` after its seconds; one call instead of a round trip per poll."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} missing")
+    lock = tmp_path / ".build-smoke.lock"
+
+    def wait(token: str, seconds: int) -> str:
+        argv = remote.sh("env_lock_wait.sh", str(lock), token, str(seconds))
+        return subprocess.run([shell, *argv[1:]], capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert wait("ours", 0) == "waiting"  # no lock file yet
+    lock.write_text("another\n")
+    assert wait("ours", 1) == "waiting"
+    writer = threading.Timer(0.5, lambda: lock.write_text("ours\n"))
+    writer.start()
+    try:
+        assert wait("ours", 30) == "held"  # the token arrived while it waited
+    finally:
+        writer.join()
 
 
 def _populated_workdir(root: Path) -> dict[str, list[str]]:
