@@ -555,6 +555,35 @@ def local_tmux(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalTmux]:
 # ------------------------------------------------------------------ polling
 
 
+LONG_PHASES = ("loading", "compiling", "evaluating", "checkpointing")
+PHASE_SETTLED_S = 10.0  # a phase older than this has reported (progress events come every 10 s)
+
+
+def phase_progress_gaps(seen: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`fab status --json` snapshots (each with the test's ``polled_at``) that show a phase of
+    minutes without what a waiting user needs: a long phase past its first report without a
+    fraction (or, once it moved, an ETA), training without a step or progress, a step without
+    total and ETA. Empty when every snapshot shows the phase's fraction and ETA."""
+    gaps = []
+    for st in seen:
+        settled = st.get("since") is not None and st["polled_at"] - st["since"] > PHASE_SETTLED_S
+        if not settled:
+            continue
+        progress = st.get("progress")
+        where = f"{st.get('state')} / {st.get('phase')}"
+        if st.get("state") in LONG_PHASES:
+            if progress is None or not progress.get("total"):
+                gaps.append(f"{where}: no fraction ({progress})")
+            elif progress.get("done", 0) > 0 and st.get("eta_s") is None:
+                gaps.append(f"{where}: no ETA ({progress})")
+        elif st.get("state") == "training":
+            if st.get("step") is None and progress is None:
+                gaps.append(f"{where}: neither a step nor progress")
+            elif st.get("step") is not None and (not st.get("total_steps") or st.get("eta_s") is None):
+                gaps.append(f"{where}: step {st.get('step')} without total or ETA")
+    return gaps
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0, interval: float = 0.1) -> None:
     """Poll ``check()`` until true; fail naming ``what`` after a generous ``timeout`` (not a speed test)."""
     deadline = time.monotonic() + timeout
