@@ -762,7 +762,7 @@ def disk_full_at_checkpoint(s: Suite) -> tuple[int, int, str]:
         found = re.findall(r"step-(\d{8})\.pt (\d+)", out)
         return {int(step): int(size) for step, size in found}
 
-    tiny(s, "--checkpoint.every=1")
+    tiny(s, "--checkpoint.every=1", "--train.steps=100000")  # still training when the disk fills
     s.fab("deploy", timeout=1800)
     tmpfs(s, runs, "96m")
     try:
