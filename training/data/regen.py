@@ -98,8 +98,27 @@ def regen_path(
 
 
 def server_regen_folder(cache_dir: Path, model_id: str, prompts: list[str], max_new_tokens: int) -> Path:
-    """Where the set regenerated through servers is kept (``regen.jsonl``, ``complete`` when whole)."""
+    """Where the set regenerated through servers is kept (``regen.jsonl`` as the replies came,
+    ``complete`` when whole, ``SERVER_REGEN_FILE``: the replies in the prompts' order)."""
     return cache_dir / "regen" / f"server-{regen_key(model_id, prompts, max_new_tokens, 0, 'server')}"
+
+
+# The replies in the prompts' order: servers answer concurrently, so ``regen.jsonl`` (append-only,
+# for the resume) holds them in the order they came back. The trainer reads this one, in the same
+# order as the in-process path writes, so a run's held-out prompts are the same whichever wrote it.
+SERVER_REGEN_FILE = "regen-ordered.jsonl"
+
+
+def _write_in_prompt_order(inputs: Path, replies: Path, dest: Path) -> None:
+    lines = inputs.read_text(encoding="utf-8").splitlines()
+    order = [json.loads(line)["id"] for line in lines if line.strip()]
+    by_id = {}
+    for line in replies.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            by_id[json.loads(line)["_regen_id"]] = line
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(by_id[rid] + "\n" for rid in order), encoding="utf-8")
+    tmp.replace(dest)
 
 
 def generate_completions(
@@ -231,9 +250,11 @@ def server_regenerated_data(
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
     folder = server_regen_folder(cache_dir, model_id, prompts, max_new_tokens)
-    output, complete = folder / "regen.jsonl", folder / "complete"
+    output, complete, ordered = folder / "regen.jsonl", folder / "complete", folder / SERVER_REGEN_FILE
     if complete.is_file():
-        return output
+        if not ordered.is_file():
+            _write_in_prompt_order(folder / "prompts.jsonl", output, ordered)
+        return ordered
     folder.mkdir(parents=True, exist_ok=True)
     inputs = folder / "prompts.jsonl"
     if not inputs.is_file():
@@ -268,5 +289,6 @@ def server_regenerated_data(
             f"({', '.join(sorted(result.errors_by_kind)) or 'see the files'}; {error_path}); the "
             f"{result.success} replies are kept: fix the servers and start again (failed ones are retried)"
         )
+    _write_in_prompt_order(inputs, output, ordered)
     complete.write_text(f"{result.success}\n", encoding="utf-8")
-    return output
+    return ordered

@@ -370,7 +370,7 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
 
 def planned_regen_file(config: RunConfig) -> Path:
     """The file ``data.regenerate`` trains on (it may not be generated yet), without building it."""
-    from training.data.regen import regen_path, server_regen_folder, shipped_prompts
+    from training.data.regen import SERVER_REGEN_FILE, regen_path, server_regen_folder, shipped_prompts
 
     folder, _tok_dir = model_source(config)
     model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
@@ -378,7 +378,7 @@ def planned_regen_file(config: RunConfig) -> Path:
     prompts = shipped_prompts(config.data.regen_prompts)
     if config.data.regen_servers:
         found = server_regen_folder(cache, model_id, prompts, config.data.regen_max_new_tokens)
-        return found / "regen.jsonl" if (found / "complete").is_file() else found / "missing"
+        return found / SERVER_REGEN_FILE if (found / "complete").is_file() else found / "missing"
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     return regen_path(

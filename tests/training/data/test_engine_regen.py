@@ -35,7 +35,7 @@ from training.data.engine_regen import (
     regenerate_file,
     side_paths,
 )
-from training.data.regen import shipped_prompts
+from training.data.regen import SERVER_REGEN_FILE, server_regenerated_data, shipped_prompts
 from training.model.tinymodel import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -168,6 +168,28 @@ def test_regenerates_the_smol_prompts_into_data_the_trainer_reads(server: Server
     assert len(loaded) == 8
     again = regenerate_file(inputs, tmp_path / "out.jsonl", settings, quiet=True)
     assert (again.sent, again.done_before, again.success) == (0, 9, 8)
+
+
+@pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
+def test_the_trainers_regenerated_set_is_in_the_prompts_order(server: Server, tmp_path: Path) -> None:
+    """``data.regen_servers``: replies come back in the order the concurrent requests end; the file
+    the trainer reads holds them in the prompts' order (as the in-process path writes them), so the
+    run's held-out prompts do not depend on which path wrote the data."""
+    lines: list[str] = []
+    path = server_regenerated_data(
+        tmp_path, "smol", count=8, max_new_tokens=12, servers=server.url, concurrency=4, echo=lines.append
+    )
+    assert path.name == SERVER_REGEN_FILE
+    assert _ids(path) == [f"p{i}" for i in range(8)]
+    assert sorted(_ids(path.with_name("regen.jsonl"))) == sorted(_ids(path))  # the same replies
+    first = [json.loads(line)["conversations"][0]["content"] for line in path.read_text().splitlines()]
+    assert first == shipped_prompts(8)
+    before = path.read_bytes()
+    path.unlink()  # a cache from before the ordered file: made again from what is there, nothing sent
+    again = server_regenerated_data(
+        tmp_path, "smol", count=8, max_new_tokens=12, servers="127.0.0.1:1", concurrency=4, echo=lines.append
+    )
+    assert again == path and path.read_bytes() == before
 
 
 @pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
