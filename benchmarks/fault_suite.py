@@ -96,16 +96,45 @@ class Suite:
         self.target = target
         self.config.write_text(render_inventory({"ct200": target}, "ct200"))
 
+    def fab_env(self, config: Path | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+        env.update(FLEET_CONFIG=str(config or self.config), PYTHONUNBUFFERED="1")
+        return env
+
     def fab(
         self, *args: str, timeout: float = 180, config: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        env.update(FLEET_CONFIG=str(config or self.config), PYTHONUNBUFFERED="1")
         res = subprocess.run(
-            [str(FAB), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            [str(FAB), *args],
+            cwd=REPO,
+            env=self.fab_env(config),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         self.outputs.append(res.stdout + res.stderr)
         return res
+
+    def fab_at_once(self, *args: str, times: int = 3, timeout: float = 180) -> list[tuple[int, str]]:
+        """``times`` `fab ARGS` started together; each one's exit code and output, in start order."""
+        procs = [
+            subprocess.Popen(
+                [str(FAB), *args],
+                cwd=REPO,
+                env=self.fab_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(times)
+        ]
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            self.outputs.append(out + err)
+            done.append((p.returncode, out + err))
+        return done
 
     def status(self) -> dict[str, Any]:
         res = self.fab("status", "--json")
@@ -299,12 +328,10 @@ def watch_ssh_drop(s: Suite) -> tuple[int, int, str]:
         }
     )
     s.fab("deploy", "train", "--no-warm")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(s.config), PYTHONUNBUFFERED="1")
     watch = subprocess.Popen(
         [str(FAB), "status", "--watch", "0.5", "--json"],
         cwd=REPO,
-        env=env,
+        env=s.fab_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -390,24 +417,7 @@ def container_stopped(s: Suite) -> tuple[int, int, str]:
 def parallel_trains(s: Suite) -> tuple[int, int, str]:
     s.reset()
     s.fab("deploy")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(s.config))
-    procs = [
-        subprocess.Popen(
-            [str(FAB), "train", "--no-warm"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    codes = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        s.outputs.append(out + err)
-        codes.append(p.returncode)
+    codes = [code for code, _ in s.fab_at_once("train", "--no-warm")]
     time.sleep(1)
     live = [r for r in s.runs() if s.trainers(f"{s.workdir}/runs/{r}")]
     wrong = int(sorted(codes) != [0, 5, 5] or len(live) != 1)
@@ -655,20 +665,9 @@ def disk_full_at_env_build(s: Suite) -> tuple[int, int, str]:
 
 def parallel_first_deploys(s: Suite) -> tuple[int, int, str]:
     s.reset(env="smoke")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(s.config))
-    procs = [
-        subprocess.Popen(
-            [str(FAB), "deploy"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
-    codes, builds = [], 0
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        s.outputs.append(out + err)
-        codes.append(p.returncode)
-        builds += (out + err).count("building env smoke-")
+    done = s.fab_at_once("deploy", timeout=900)
+    codes = [code for code, _ in done]
+    builds = sum(out.count("building env smoke-") for _, out in done)
     on_disk = [n for n in s.ct("ls", "--", f"{s.workdir}/envs").stdout.split() if n.startswith("smoke-")]
     s.reset()
     return 0, int(codes != [0, 0, 0] or builds != 1 or len(on_disk) != 1), f"exits {codes}, {builds} build(s)"
@@ -729,19 +728,7 @@ def parallel_stops(s: Suite) -> tuple[int, int, str]:
     run_id = s.latest()
     run_dir = f"{s.workdir}/runs/{run_id}"
     s.wait(lambda: bool(s.trainers(run_dir)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(FLEET_CONFIG=str(s.config))
-    procs = [
-        subprocess.Popen(
-            [str(FAB), "stop"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
-    codes = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        s.outputs.append(out + err)
-        codes.append(p.returncode)
+    codes = [code for code, _ in s.fab_at_once("stop")]
     st = final_state(s, 60)
     wrong = int(codes != [0, 0, 0] or st.get("state") != "stopped" or bool(s.trainers(run_dir)))
     return int(run_id not in s.runs()), wrong, f"exits {codes}, run {st.get('state')}"

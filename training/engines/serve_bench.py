@@ -143,10 +143,6 @@ def summarize(
         raise ValueError("runs[0] must be the target alone")
     rows = []
     for run in runs:
-        same = sum(
-            (a.tokens, a.text) == (b.tokens, b.text)
-            for a, b in zip(alone.completions, run.completions, strict=True)
-        )
         diffs = sorted(
             _first_diff(a.tokens, b.tokens)
             for a, b in zip(alone.completions, run.completions, strict=True)
@@ -163,7 +159,7 @@ def summarize(
                 rounds=run.rounds,
                 accept_rate=round(run.accept_rate, 4),
                 mean_len=round(run.mean_len, 4),
-                identical=same,
+                identical=len(alone.completions) - len(diffs),
                 first_diff=diffs[len(diffs) // 2] if diffs else -1,
             )
         )
