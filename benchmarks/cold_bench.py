@@ -47,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a small drafter (CPU development)")
     parser.add_argument("--eager-regions", action="store_true", help="only flex (and its mask) compiled")
     parser.add_argument("--threads", type=int, default=0, help="inductor compile_threads (0 = torch's)")
+    parser.add_argument(
+        "--late-workers",
+        action="store_true",
+        help="leave inductor's compile workers to start at the first compile (the trainer starts them early)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--lock", default="", help="a file to flock around the step timing")
@@ -77,6 +82,10 @@ def main() -> int:
     from training.run import core
 
     device = torch.device(args.device)
+    if not args.late_workers:
+        from training.compile.cache import start_workers
+
+        start_workers(device)  # as the trainer does before it loads data and the target
     if args.tiny:
         hidden, heads, kv, head_dim, inter, vocab, layers = 64, 4, 2, 16, 128, 512, 32
         cfg = DrafterConfig(
@@ -161,6 +170,7 @@ def main() -> int:
         step(batches[length])
         sync()
         first = time.perf_counter() - t0
+        since_start = time.perf_counter() - started
         graphs = []
         for m in get_compilation_metrics()[done:]:
             graphs.append(
@@ -174,7 +184,9 @@ def main() -> int:
                     "fail": m.fail_type,
                 }
             )
-        per_bucket.append({"length": length, "first_step_s": first, "graphs": graphs})
+        per_bucket.append(
+            {"length": length, "first_step_s": first, "since_start_s": since_start, "graphs": graphs}
+        )
         print(
             f"[{args.label}] bucket {length}: first step {first:.1f}s, {len(graphs)} frames compiled",
             flush=True,

@@ -311,6 +311,34 @@ def activate(
     return ActiveCache(cache, manifest, size, entries, time.monotonic() - started)
 
 
+def start_workers(device: torch.device) -> bool:
+    """Start inductor's compile workers now, in a process that will compile on ``device``; True
+    when they were started.
+
+    Inductor compiles a graph's Triton kernels in a pool of worker processes, but only once the
+    pool answers: until then each kernel compiles in the training process itself, one after the
+    other. Left to itself the pool starts at the first compile, so the first graphs of a cold
+    start compiled their kernels serially while the workers were still importing torch. Started
+    here, before the data and the target load, the workers are ready by the first step. The
+    key's cache dirs are set first (the workers inherit the environment they start with), as
+    ``activate`` sets them again later. torch's private ``maybe_warm_pool`` is what its own
+    inductor backend calls at the first compile (``torch/_dynamo/backends/inductor.py``);
+    without it (another torch) nothing changes but the time.
+    """
+    if device.type != "cuda":
+        return False  # the CPU inductor compiles C++ in the process: no Triton pool
+    root = resolve_root()
+    if root is not None:
+        set_cache_env(CacheDir(root, cache_key(device)))
+    try:
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+    except ImportError:
+        return False
+    maybe_warm_pool()
+    AsyncCompile.use_process_pool()  # sends the readiness probe: kernels go to the pool once it answers
+    return True
+
+
 def start(device: torch.device, echo: Callable[[str], None] = print) -> CounterReporter:
     """A training process's hook before its first compile: activate ``$FLEET_COMPILE_CACHE``'s
     key dir for ``device`` (blob loaded when warmed; nothing when unset) and return the

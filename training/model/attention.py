@@ -46,10 +46,10 @@ support backward on CPU", eager and compiled), and compiling the block-mask buil
 the CPU inductor took 26 s (flex forward 4.4 s more) for one tiny shape on the 2-core dev
 machine. CPU flex is still run forward-only by the tests, against the dense reference.
 
-Compilation. On CUDA the block-mask builder (``build_block_mask``: its tile maps; the sort
-stays eager) and ``flex_attention`` always run compiled:
-the eager flex path materializes the whole [Q x KV] score matrix (hundreds of GB at real
-shapes), so ``flex_attend`` raises instead of ever running it uncompiled on a GPU.
+Compilation. On CUDA ``flex_attention`` always runs compiled: the eager flex path
+materializes the whole [Q x KV] score matrix (hundreds of GB at real shapes), so
+``flex_attend`` raises instead of ever running it uncompiled on a GPU. The block mask is built
+eager (``build_block_mask``: a closed form of the rule per tile, no compile).
 ``configure_compile`` sets Dynamo's recompile limit from the number of length buckets and
 makes hitting it an error, so a silent uncompiled (dense) fallback cannot happen.
 """
@@ -164,21 +164,22 @@ def build_block_mask(
     """The flex ``BlockMask`` for ``anchors`` [B, K] (-1 padded).
 
     ``tile`` is flex's BLOCK_SIZE (the sparsity granularity), not the DFlash block size. The mask
-    depends on the anchors, so it is built every step, in two parts: ``tile_maps`` (the mask rule
-    evaluated at every position and reduced to which tiles are partly / wholly visible: the
-    work, compiled off-CPU) and the ordering of those tiles into flex's index lists (a sort over
-    a few thousand entries, eager). This is what ``create_block_mask`` computes
-    (``torch/nn/attention/flex_attention.py``: ``create_mask``, ``_convert_mask_to_block_mask``,
-    ``_dense_to_ordered``, ``BlockMask.from_kv_blocks``), split so the sort is never compiled:
-    compiled whole, inductor fuses that sort into a Triton reduction whose compile took 135-142 s
-    of a 210 s cold start on an H200 (torch 2.11; later torch versions keep that sort eager too).
+    depends on the anchors, so it is built every step, in two parts: ``tile_maps`` (which tiles
+    are partly / wholly visible, from each query row's visible intervals) and the ordering of
+    those tiles into flex's index lists (a sort over a few thousand entries). This is what
+    ``create_block_mask`` computes (``torch/nn/attention/flex_attention.py``: ``create_mask``,
+    ``_convert_mask_to_block_mask``, ``_dense_to_ordered``, ``BlockMask.from_kv_blocks``), without
+    evaluating ``mask_mod`` at every (query, key) position: that evaluation had to be compiled
+    to be fast, and its compile was the largest part of a cold start (one fused sort kernel
+    135-142 s on an H200 under torch 2.11; 8 s of frames once the sort was split out). Both
+    parts run eager, and nothing of the mask is compiled. ``mask_mod`` still goes with the mask:
+    flex evaluates it inside the partial tiles.
     """
-    bsz, k = anchors.shape
+    k = anchors.shape[1]
     q_len = k * block_size
     kv_len = int(context_len) + q_len
     mask_mod = make_mask_mod(anchors, context_len, block_size, window)
-    maps = _compiled_tile_maps() if _use_compiled(anchors.device) else tile_maps
-    partial, full = maps(mask_mod, bsz, q_len, kv_len, tile, anchors.device)
+    partial, full = tile_maps(anchors, context_len, block_size, window, tile)
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(
@@ -187,23 +188,43 @@ def build_block_mask(
 
 
 def tile_maps(
-    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
-    bsz: int,
-    q_len: int,
-    kv_len: int,
-    tile: int,
-    device: torch.device,
+    anchors: Tensor, context_len: int, block_size: int, window: int | None, tile: int
 ) -> tuple[Tensor, Tensor]:
-    """(partial, full): [B, 1, ceil(Q/tile), ceil(KV/tile)] bool, the tiles where ``mask_mod``
-    holds somewhere but not everywhere / everywhere. Positions past ``q_len`` / ``kv_len`` (the
-    last tiles' padding) count as masked, as in ``create_block_mask``."""
+    """(partial, full): [B, 1, ceil(Q/tile), ceil(KV/tile)] bool, the tiles of the rule in the
+    module docstring that are visible somewhere but not everywhere / everywhere. Positions past
+    ``Q`` / ``KV`` (the last tiles' padding) count as masked, as in ``create_block_mask``.
+
+    Closed form of the rule: every query row sees two intervals of keys, its context
+    ``[lo, min(a, T))`` (``lo`` = 0, or ``a + i - (W - 1)`` in a sliding layer) and its own
+    block ``[T + k*B, T + k*B + n)`` (``n`` = B, or ``i + 1`` in a sliding layer). A row's
+    visible count in a key tile is the two intervals' overlap with it, and a tile's count the
+    sum over its rows: [B, Q, KV/tile] integers instead of the [B, Q, KV] booleans of
+    evaluating ``mask_mod`` everywhere (a few MB at the largest shapes, eager in well under a
+    millisecond). Tests compare it with ``create_block_mask`` on ``make_mask_mod``.
+    """
+    bsz, k = anchors.shape
+    T, bs = int(context_len), int(block_size)
+    q_len = k * bs
+    kv_len = T + q_len
     q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
-    b = torch.arange(bsz, device=device)[:, None, None, None]
-    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
-    q = torch.arange(q_tiles * tile, device=device)[None, None, :, None]
-    kv = torch.arange(kv_tiles * tile, device=device)[None, None, None, :]
-    visible = mask_mod(b, h, q, kv) & (q < q_len) & (kv < kv_len)
-    counts = visible.view(bsz, 1, q_tiles, tile, kv_tiles, tile).sum(dim=(3, 5))
+    dev = anchors.device
+    rows = torch.arange(q_tiles * tile, device=dev)
+    valid = rows < q_len  # the last query tile's padding sees nothing
+    blk = (rows // bs).clamp(max=k - 1)
+    off = rows % bs
+    anchor = anchors[:, blk]  # [B, rows]
+    ctx_hi = anchor.clamp(max=T)  # keys j < a (and j < T); a padded anchor (-1) sees no context
+    ctx_lo = torch.zeros_like(anchor) if window is None else (anchor + off - (window - 1)).clamp(min=0)
+    own_lo = (T + blk * bs).expand(bsz, -1)
+    own_hi = own_lo + (bs if window is None else off + 1)
+    k0 = torch.arange(kv_tiles, device=dev) * tile  # each key tile's first key
+    k1 = k0 + tile
+
+    def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # [B, rows] intervals x key tiles -> [B, rows, tiles]
+        return (torch.minimum(hi[..., None], k1) - torch.maximum(lo[..., None], k0)).clamp(min=0)
+
+    seen = (overlap(ctx_lo, ctx_hi) + overlap(own_lo, own_hi)) * valid[None, :, None]
+    counts = seen.view(bsz, q_tiles, tile, kv_tiles).sum(dim=2, dtype=torch.int32)[:, None]
     return (counts > 0) & (counts < tile * tile), counts == tile * tile
 
 
@@ -213,14 +234,6 @@ def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     num = tiles.sum(dim=-1, dtype=torch.int32)
     idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return num.contiguous(), idx.contiguous()
-
-
-def _compiled_tile_maps() -> Callable[..., Any]:
-    fn = _COMPILED.get("tile_maps")
-    if fn is None:
-        fn = torch.compile(tile_maps, dynamic=False)
-        _COMPILED["tile_maps"] = fn
-    return fn
 
 
 def _compiled_flex() -> Callable[..., Any]:

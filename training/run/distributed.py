@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract
-from training.compile.cache import CounterReporter
+from training.compile.cache import CounterReporter, start_workers
 from training.config import ConfigError, RunConfig, TrainingError, load_config, write_config
 from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
@@ -271,6 +271,8 @@ class DrafterWorker(Worker):
 
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
+        if core.compiles(cfg, ctx.device):
+            start_workers(ctx.device)  # ready by the first compile, which comes after the loads
         self.events.phase("load_target")
         folder, self.tokenizer, data = self.prepare_shared()
         target, _ = core.load_run_target(cfg, folder, self.tokenizer, None)  # only embedding and lm_head kept

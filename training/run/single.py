@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from training.compile.cache import start_workers
 from training.config import RunConfig, load_config, with_loaded_shape, write_config
 from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
@@ -103,6 +104,8 @@ class Trainer:
 
     def setup(self, *, quiet_data: bool = False) -> None:
         cfg = self.config
+        if core.compiles(cfg, self.device):
+            start_workers(self.device)  # ready by the first compile, which comes after the loads
         self._phase("load_data")
         folder, tok_dir = model_source(cfg)
         self.tokenizer = load_tokenizer(tok_dir)

@@ -5,7 +5,7 @@
 One process (one per GPU type) builds the run's data plan and a drafter exactly as the
 trainer does, then runs one optimizer-free training step (forward + backward under the
 trainer's autocast) for every distinct compiled shape, serially, printing progress per
-shape: on GPU that is ``create_block_mask`` + ``flex_attention`` forward and backward with
+shape: on GPU that is ``flex_attention`` forward and backward (and the compiled regions) with
 the run's BlockMask for every (bucket, batch size) x mask variant; on CPU, where torch 2.13
 has no flex backward, the compiled blockwise attention (``training.model.attention``). The chunked
 loss runs too (it is not compiled: its chunk length depends on the batch's labels). Then
@@ -71,6 +71,7 @@ from training.compile.cache import (
     resolve_root,
     save_blob,
     start,
+    start_workers,
     triton_version,
 )
 from training.config import ConfigError, RunConfig, config_to_dict, load_config
@@ -375,6 +376,7 @@ def run_warm(
         echo(f"warm: {cache.path} is already warm for {config.name} ({len(ready.shapes)} shapes)")
         return ready
     echo(f"warm: config {config.name} on {device}, cache {cache.path}")
+    start_workers(device)  # ready by the first compile, after the data and the stand-in target
     if device.type == "cuda" and config.pipeline.topology:
         echo(
             f"warm: note: topology {config.pipeline.topology}: inductor's cache keys hold the device index, "

@@ -96,6 +96,57 @@ def _manifest(key: str = "k", digest: str = "h", complete: bool = True) -> cc.Ma
     )
 
 
+def _children_environ(pid: int) -> list[dict[str, str]]:
+    """The environments of ``pid``'s descendants (from /proc)."""
+    out = []
+    for task in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (task / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            raw = (task / "environ").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        out.append(env)
+        out.extend(_children_environ(int(task.name)))
+    return out
+
+
+def test_compile_workers_start_early_with_the_keys_cache_dirs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor's compile workers (real ones, started by torch's own warm-up) are up before any
+    compile, and they were started with the key's Triton / inductor dirs in their environment:
+    kernels they compile land in the cache the warm-up ships. Only the GPU's name is stood in."""
+    from torch._inductor import async_compile
+
+    if torch._inductor.config.compile_threads <= 1:
+        pytest.skip("inductor runs no compile workers with compile_threads <= 1 (one CPU)")
+    monkeypatch.setenv(cc.ROOT_ENV, str(tmp_path))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cc, "device_label", lambda device: "NVIDIA-H200-sm90")
+    assert cc.start_workers(torch.device("cpu")) is False  # the CPU inductor has no Triton pool
+    try:
+        assert cc.start_workers(torch.device("cuda")) is True
+        key_dir = cc.CacheDir(tmp_path, cc.cache_key(torch.device("cuda"))).path
+        deadline = time.monotonic() + 120
+        envs: list[dict[str, str]] = []
+        while time.monotonic() < deadline:
+            envs = [e for e in _children_environ(os.getpid()) if "TRITON_CACHE_DIR" in e]
+            if envs:
+                break
+            time.sleep(0.5)
+        assert envs, "no compile worker started"
+        for env in envs:
+            assert env["TRITON_CACHE_DIR"].startswith(str(key_dir)), env["TRITON_CACHE_DIR"]
+            assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(key_dir))
+    finally:
+        async_compile.shutdown_compile_workers()
+
+
 def test_manifest_round_trips_and_only_a_complete_one_with_its_blob_counts(tmp_path: Path) -> None:
     cache = cc.CacheDir(tmp_path, cc.CacheKey("nolock", "2.13.0", "none", "cpu-x86_64", "none"))
     assert cache.manifest() is None and cache.complete_manifest() is None
