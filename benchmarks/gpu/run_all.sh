@@ -140,6 +140,37 @@ hybrid_warm() {  # fab deploy + fab warm: the drafter's shape and the target's l
     timeout -k 20 "${HYBRID_WARM_LIMIT_S:-560}" python3 -m fabric warm 2>&1 | tee "$OUT/hybrid_warm.log"
     cp "$HYBRID_WORKDIR"/compile-cache/*/manifest.json "$OUT/hybrid_manifest.json" 2>/dev/null
 }
+hybrid_second() {  # after hybrid_warm: a second local target of the same GPU type trains from the controller's
+    # artefact alone (its own empty workdir and compile cache; fab train pushes the artefact, as to a second host)
+    hybrid_inventory
+    local dir="${HYBRID_WORKDIR}-second" state=""
+    cat >> /tmp/fleet-hybrid.toml <<TOML
+[targets.second]
+host = "local"
+workdir = "$dir"
+gpus = 1
+env = ""
+[targets.second.run]
+config = "qwen3.6-27b-random"
+overrides = ["--pipeline.topology=", "--train.steps=${SECOND_STEPS:-8}", "--train.log_every=1",
+             "--data.num_buckets=1", "--data.corpus_files=300", "--eval.num_prompts=0"]
+[targets.second.commands]
+python = "python3"
+TOML
+    find /tmp/.fleet/compile-cache -maxdepth 2 2>&1 | head -5
+    FLEET_TARGET=second python3 -m fabric deploy || return 1
+    FLEET_TARGET=second python3 -m fabric train 2>&1 | tee "$OUT/second_train.log" || return 1
+    for _ in $(seq 1 "${SECOND_POLLS:-40}"); do
+        sleep 8
+        FLEET_TARGET=second python3 -m fabric status --json > "$OUT/second_status.json"
+        state=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['state'])" "$OUT/second_status.json")
+        case "$state" in finished|failed|stopped|stalled) break ;; esac
+    done
+    FLEET_TARGET=second python3 -m fabric status | tee "$OUT/second_status.txt"
+    cp "$dir/runs/latest/events.jsonl" "$OUT/second_events.jsonl"
+    tail -40 "$dir/runs/latest/train.log" > "$OUT/second_train_tail.log"
+    grep compile_cache "$OUT/second_events.jsonl"
+}
 hybrid_train() {  # fab train (1+1) to the end, fab status, the balance figures and plan's 8-GPU split from them
     hybrid_inventory
     python3 -m fabric train || return 1
