@@ -36,10 +36,12 @@ from pathlib import Path
 from fleet import remote
 from fleet.errors import RunError
 from fleet.target import Target
+from training.contract import COMPILE_AUTOTUNE_FILE, COMPILE_BLOB_FILE, COMPILE_MANIFEST_FILE
 
 STORE = Path(".fleet") / "compile-cache"
-BLOB = "megacache.bin"
-MANIFEST = "manifest.json"
+BLOB = COMPILE_BLOB_FILE
+MANIFEST = COMPILE_MANIFEST_FILE
+AUTOTUNE = COMPILE_AUTOTUNE_FILE  # optional: a warm-up of a target without Triton kernels of its own has none
 TRANSFER_TIMEOUT_S = 1800.0
 _KEY = re.compile(r"^[A-Za-z0-9_.+-]+$")  # cache.CacheKey.text's alphabet
 
@@ -127,11 +129,15 @@ def push(target: Target, store: Path, root: str) -> list[str]:
             continue
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
-            archive.add(store / key / BLOB, arcname=BLOB)  # the blob first, the manifest last
-            archive.add(store / key / MANIFEST, arcname=MANIFEST)
+            for name in (BLOB, AUTOTUNE, MANIFEST):  # the manifest last
+                if name != AUTOTUNE or (store / key / AUTOTUNE).is_file():
+                    archive.add(store / key / name, arcname=name)
         buffer.seek(0)
         res = target.run(
-            remote.sh("compile_put.sh", root, key), stdin=buffer, check=False, timeout=TRANSFER_TIMEOUT_S
+            remote.sh("compile_put.sh", root, key, BLOB, MANIFEST, AUTOTUNE),
+            stdin=buffer,
+            check=False,
+            timeout=TRANSFER_TIMEOUT_S,
         )
         if res.exit_code != 0:
             raise RunError(
@@ -150,7 +156,11 @@ def pull(target: Target, store: Path, root: str) -> list[str]:
     for key, artefact in remote_artefacts(target, root).items():
         if not _newer(artefact, ours.get(key)):
             continue
-        res = target.run(remote.sh("compile_pack.sh", root, key), check=False, timeout=TRANSFER_TIMEOUT_S)
+        res = target.run(
+            remote.sh("compile_pack.sh", root, key, BLOB, MANIFEST, AUTOTUNE),
+            check=False,
+            timeout=TRANSFER_TIMEOUT_S,
+        )
         if res.exit_code != 0:
             raise RunError(
                 f"{target.name}: could not read the compile artefact {key}: "
@@ -166,20 +176,24 @@ def pull(target: Target, store: Path, root: str) -> list[str]:
 
 
 def _install(folder: Path, tar_bytes: bytes, what: str) -> None:
-    """Unpack the artefact tar into ``folder``: the old manifest out, the blob in, the manifest last."""
+    """Unpack the artefact tar into ``folder``: the old manifest out, the blob (and the autotune
+    results, or an old artefact's removed) in, the manifest last."""
     folder.mkdir(parents=True, exist_ok=True)
     files: dict[str, bytes] = {}
     with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as archive:
         for member in archive.getmembers():
             name = member.name.removeprefix("./")
-            if member.isfile() and name in (BLOB, MANIFEST):
+            if member.isfile() and name in (BLOB, MANIFEST, AUTOTUNE):
                 extracted = archive.extractfile(member)
                 if extracted is not None:
                     files[name] = extracted.read()
-    if set(files) != {BLOB, MANIFEST}:
+    if not {BLOB, MANIFEST} <= set(files):
         raise RunError(f"{what} arrived incomplete ({', '.join(sorted(files)) or 'empty'})")
     (folder / MANIFEST).unlink(missing_ok=True)
-    for name in (BLOB, MANIFEST):
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(files[name])
-        tmp.replace(folder / name)
+    if AUTOTUNE not in files:
+        (folder / AUTOTUNE).unlink(missing_ok=True)
+    for name in (BLOB, AUTOTUNE, MANIFEST):
+        if name in files:
+            tmp = folder / f".{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(files[name])
+            tmp.replace(folder / name)

@@ -611,3 +611,12 @@ def parse_topology(text: str) -> Topology:
     if targets < 1 or drafters < 1:
         raise ValueError("needs at least one target and one drafter rank (e.g. 1+1)")
     return Topology(targets, drafters)
+
+
+# --- the compile cache's artefact: <compile-cache>/<key>/, what `fab warm` ships between hosts ------
+
+COMPILE_BLOB_FILE = "megacache.bin"  # torch.compiler.save_cache_artifacts() of the warm-up
+COMPILE_MANIFEST_FILE = "manifest.json"  # what the warm-up compiled; complete: true, written last
+# The Triton autotune results of the target's own kernels (fla's linear attention: ``*.autotune.json``
+# under the key's triton/ dir), which the Mega-Cache blob does not hold; optional in an artefact.
+COMPILE_AUTOTUNE_FILE = "autotune.tar"

@@ -1,9 +1,18 @@
 # shellcheck shell=sh
-# Print one key's Mega-Cache artefact (its blob, then its manifest) as a base64 tar
-# (fleet.compile_share.pull), sent as   sh -c <this> fleet-compile-pack ROOT KEY
+# Print one key's Mega-Cache artefact (its blob, the optional files that are there, its manifest
+# last) as a base64 tar (fleet.compile_share.pull), sent as
+#   sh -c <this> fleet-compile-pack ROOT KEY BLOB MANIFEST [OPTIONAL...]
+# (the file names are training/contract.py's, passed by the caller).
 dir="$1/$2"
-if [ ! -f "$dir/manifest.json" ] || [ ! -f "$dir/megacache.bin" ]; then
+blob=$3
+manifest=$4
+shift 4
+if [ ! -f "$dir/$manifest" ] || [ ! -f "$dir/$blob" ]; then
     printf 'no compile artefact at %s\n' "$dir" >&2
     exit 3
 fi
-tar -c -f - -C "$dir" megacache.bin manifest.json | base64
+for optional do  # keep the optional files that exist: positional parameters as the list
+    shift
+    if [ -f "$dir/$optional" ]; then set -- "$@" "$optional"; fi
+done
+tar -c -f - -C "$dir" "$blob" "$@" "$manifest" | base64

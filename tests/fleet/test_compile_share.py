@@ -165,3 +165,76 @@ def test_a_second_target_compiles_nothing_from_the_shipped_blob(tmp_path: Path) 
         second = child(_root(b), "run")
         assert second["loaded"] > 0
         assert second["fxgraph_hit"] > 0 and second["fxgraph_miss"] == 0
+
+
+def test_the_target_kernels_autotune_results_travel_and_land_in_the_second_hosts_triton_dir(
+    tmp_path: Path,
+) -> None:
+    """A warm-up's Triton autotune results (fla's ``*.autotune.json``, which the Mega-Cache blob
+    does not hold) go a -> controller -> b with the blob, and the trainer's ``activate`` on b puts
+    them into its key's triton/ dir; a newer artefact without them takes the old file away."""
+    import torch
+
+    from training.compile import cache as cc
+
+    store = tmp_path / "store"
+    result = '{"key": [4096, "torch.bfloat16"], "configs_timings": [[{"BT": 64}, [0.5]]]}'
+    with _target(tmp_path, "a") as a, _target(tmp_path, "b") as b:
+        warm = cc.CacheDir(Path(_root(a)), cc.cache_key(torch.device("cpu")))
+        key = warm.key.text
+        tuned = warm.triton_dir / "X4ZQ2ABC" / "chunk_gated_delta_rule_fwd_kernel_h.autotune.json"
+        tuned.parent.mkdir(parents=True)
+        tuned.write_text(result)
+        (warm.triton_dir / "KERNEL1" / "kernel.cubin").parent.mkdir(parents=True)
+        (warm.triton_dir / "KERNEL1" / "kernel.cubin").write_bytes(b"\x7fELF")  # not a result: stays
+        assert cc.pack_autotune(warm) == 1
+        _write(Path(_root(a)), key, "2026-12-01T10:00:00", b"blob")
+        assert cs.pull(a, store, _root(a)) == [key]
+        assert (store / key / cs.AUTOTUNE).is_file()
+        assert cs.push(b, store, _root(b)) == [key]
+        active = cc.activate(Path(_root(b)), torch.device("cpu"), load=False)
+        landed = active.cache.triton_dir / "X4ZQ2ABC" / tuned.name
+        assert landed.read_text() == result
+        assert not (active.cache.triton_dir / "KERNEL1").exists()
+        # the same key warmed again, on a target without kernels of its own: no autotune file
+        _write(store, key, "2026-12-01T12:00:00", b"blob2")
+        (store / key / cs.AUTOTUNE).unlink()
+        assert cs.push(b, store, _root(b)) == [key]
+        assert not (Path(_root(b)) / key / cs.AUTOTUNE).exists()
+        assert (Path(_root(b)) / key / cs.BLOB).read_bytes() == b"blob2"
+
+
+def test_an_autotune_archive_is_read_only_for_results_inside_the_triton_dir(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    import torch
+
+    from training.compile import cache as cc
+
+    cache = cc.CacheDir(tmp_path / "root", cc.cache_key(torch.device("cpu")))
+    cache.path.mkdir(parents=True)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, data in [
+            ("../../escaped.autotune.json", b"{}"),  # outside the triton dir
+            ("H/not-a-result.py", b"import os"),  # not an autotune result
+            ("H/ok.autotune.json", b'{"ok": 1}'),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("L/link.autotune.json")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        archive.addfile(link)
+    cache.autotune_path.write_bytes(buffer.getvalue())
+    assert cc.unpack_autotune(cache) == 1
+    assert (cache.triton_dir / "H" / "ok.autotune.json").read_text() == '{"ok": 1}'
+    assert (
+        not (tmp_path / "escaped.autotune.json").exists()
+        and not (tmp_path / "root" / "escaped.autotune.json").exists()
+    )
+    assert not (cache.triton_dir / "H" / "not-a-result.py").exists()
+    assert not (cache.triton_dir / "L").exists()
+    cache.autotune_path.write_bytes(b"not a tar")
+    assert cc.unpack_autotune(cache) == 0  # a damaged archive is skipped: the kernels autotune again

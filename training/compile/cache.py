@@ -27,11 +27,13 @@ they change later, so a warm start that still compiles is visible in ``fab statu
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
 import re
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -40,11 +42,18 @@ from typing import Any, Protocol
 
 import torch
 
-from training.contract import COMPILE_CACHE_ENV
+from training.contract import (
+    COMPILE_AUTOTUNE_FILE,
+    COMPILE_BLOB_FILE,
+    COMPILE_CACHE_ENV,
+    COMPILE_MANIFEST_FILE,
+)
 
 ROOT_ENV = COMPILE_CACHE_ENV
-MANIFEST_FILE = "manifest.json"
-BLOB_FILE = "megacache.bin"
+MANIFEST_FILE = COMPILE_MANIFEST_FILE
+BLOB_FILE = COMPILE_BLOB_FILE
+AUTOTUNE_FILE = COMPILE_AUTOTUNE_FILE
+AUTOTUNE_GLOB = "*.autotune.json"  # Triton's autotune results on disk (Autotuner cache_results)
 ENV_MANIFEST = Path("fleet-env") / "manifest.json"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]+")
 
@@ -212,6 +221,10 @@ class CacheDir:
     def blob_path(self) -> Path:
         return self.path / BLOB_FILE
 
+    @property
+    def autotune_path(self) -> Path:
+        return self.path / AUTOTUNE_FILE
+
     def manifest(self) -> Manifest | None:
         """The manifest, or None when missing or unreadable (a half-written one is ignored)."""
         try:
@@ -293,6 +306,45 @@ def save_blob(path: Path) -> tuple[int, int]:
     return len(data), sum(len(v) for v in info.artifacts.values())
 
 
+def pack_autotune(cache: CacheDir) -> int:
+    """Write ``autotune.tar``: every Triton autotune result under the key's triton/ dir, by its path
+    there (the target's own kernels: the Mega-Cache blob holds inductor's kernels, not these).
+    Returns how many; with none, no file (and an older one removed)."""
+    found = sorted(cache.triton_dir.rglob(AUTOTUNE_GLOB)) if cache.triton_dir.is_dir() else []
+    if not found:
+        cache.autotune_path.unlink(missing_ok=True)
+        return 0
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for path in found:
+            archive.add(path, arcname=path.relative_to(cache.triton_dir).as_posix(), recursive=False)
+    _atomic_write(cache.autotune_path, buffer.getvalue())
+    return len(found)
+
+
+def unpack_autotune(cache: CacheDir) -> int:
+    """Put ``autotune.tar``'s results into the key's triton/ dir where they are missing (a second
+    host's first hybrid forward then compiles the chosen configs instead of benchmarking every
+    one). Only regular ``*.autotune.json`` files inside the dir are taken. Returns how many."""
+    try:
+        archive = tarfile.open(cache.autotune_path)
+    except (OSError, tarfile.TarError):
+        return 0
+    added = 0
+    with archive:
+        for member in archive.getmembers():
+            dest = (cache.triton_dir / member.name).resolve()
+            inside = dest.is_relative_to(cache.triton_dir.resolve())
+            if not (member.isfile() and inside and dest.match(AUTOTUNE_GLOB)) or dest.exists():
+                continue
+            data = archive.extractfile(member)
+            if data is not None:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(dest, data.read())
+                added += 1
+    return added
+
+
 def activate(
     root: Path, device: torch.device, *, load: bool = True, prefix: Path | None = None
 ) -> ActiveCache:
@@ -304,6 +356,8 @@ def activate(
     cache = CacheDir(root, cache_key(device, prefix=prefix))
     set_cache_env(cache)
     manifest = cache.complete_manifest()
+    if manifest is not None:
+        unpack_autotune(cache)  # the target's kernels' results, for target ranks too (load=False)
     if not load or manifest is None:
         return ActiveCache(cache, manifest, 0, 0, 0.0)
     started = time.monotonic()
@@ -387,6 +441,7 @@ def format_counters(counts: Mapping[str, int]) -> str:
 
 
 __all__ = [
+    "AUTOTUNE_FILE",
     "BLOB_FILE",
     "MANIFEST_FILE",
     "ROOT_ENV",
@@ -401,7 +456,10 @@ __all__ = [
     "cache_key",
     "env_lock_hash",
     "load_blob",
+    "pack_autotune",
     "resolve_root",
     "save_blob",
     "start",
+    "start_workers",
+    "unpack_autotune",
 ]

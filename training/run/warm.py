@@ -68,6 +68,7 @@ from training.compile.cache import (
     activate,
     cache_counters,
     format_counters,
+    pack_autotune,
     resolve_root,
     save_blob,
     start,
@@ -409,6 +410,7 @@ def run_warm(
         target_done = warm_compiled_target(config, hf_config, shapes, device=device, dtype=dtype, echo=echo)
         target_compiled = bool(target_done)
     blob_bytes, entries = save_blob(cache.blob_path)
+    autotuned = pack_autotune(cache)  # before the manifest: a complete manifest finds it there
     manifest = Manifest(
         key=cache.key.text,
         config=config.name,
@@ -433,6 +435,7 @@ def run_warm(
     echo(
         f"warm: done in {manifest.seconds:.1f}s; {cache.blob_path.name} {blob_bytes / 1e6:.1f} MB "
         f"({entries} entries), {format_counters(manifest.counters)}"
+        + (f"; {cache.autotune_path.name}: {autotuned} Triton autotune results" if autotuned else "")
     )
     return manifest
 
