@@ -170,6 +170,15 @@ TOML
     cp "$dir/runs/latest/events.jsonl" "$OUT/second_events.jsonl"
     tail -40 "$dir/runs/latest/train.log" > "$OUT/second_train_tail.log"
     grep compile_cache "$OUT/second_events.jsonl"
+    # the first step's time: from the train phase to the first step event (a cold target autotunes in it)
+    python3 - "$OUT/second_events.jsonl" <<'PY'
+import json, sys
+events = [json.loads(line) for line in open(sys.argv[1])]
+start = next(e["ts"] for e in events if e["event"] == "phase" and e.get("phase") == "train")
+first = next(e["ts"] for e in events if e["event"] == "step")
+print(f"second target: first step {first - start:.1f}s after the train phase began")
+PY
+    grep -h "target kernel cache" "$dir"/runs/latest/train.log
 }
 hybrid_train() {  # fab train (1+1) to the end, fab status, the balance figures and plan's 8-GPU split from them
     hybrid_inventory
