@@ -342,7 +342,7 @@ def env_file_text(env: Mapping[str, str]) -> bytes:
     for key, value in sorted(env.items()):
         if not ENV_KEY_RE.match(key):
             raise RunError(
-                f"run.env: {key!r} is not an environment variable name; use [A-Za-z_][A-Za-z0-9_]*"
+                f"the run's environment: {key!r} is not a variable name; use [A-Za-z_][A-Za-z0-9_]*"
             )
         lines.append(f"export {key}={shlex.quote(value)}\n")
     body = "".join(lines).encode()
