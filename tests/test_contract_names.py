@@ -39,8 +39,9 @@ CHECKPOINT_TEXT = re.compile(r"step-(?:\d{8}|\*|%08d)\.pt")
 
 
 def run_dir_names() -> tuple[str, ...]:
-    """Every run-dir name of the contract (its files, the prefix of the set-aside ones)."""
-    return (*contract.RUN_DIR_FILES, contract.SET_ASIDE_PREFIX)
+    """Every run-dir name of the contract: its files, the prefix of the set-aside ones, run.env's
+    trailer line."""
+    return (*contract.RUN_DIR_FILES, contract.SET_ASIDE_PREFIX, contract.RUN_ENV_TRAILER)
 
 
 def _plain(name: str) -> bool:

@@ -34,6 +34,7 @@ ATTEMPTS_FILE = "attempts.jsonl"  # one line per ended attempt (the wrapper's re
 CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_config)
 STOP_SIGNAL_FILE = "stop_signal"  # the signal `fab stop` sent (a stop, not a crash; no restart after it)
 RUN_ENV_FILE = "run.env"  # the run's environment (0600) from the launcher; the wrapper deletes it once read
+RUN_ENV_TRAILER = "fleet-env-bytes"  # run.env's last line, "# fleet-env-bytes N": N bytes came before it
 LAUNCHED_AT_FILE = "launched_at"  # when the wrapper started (epoch seconds), written beside its pid
 SEGMENTS_FILE = "segments.jsonl"  # one line per launch of the run dir (`fab train` again resumes it)
 EARLIER_ATTEMPTS_FILE = "attempts-earlier.jsonl"  # the attempts of the run dir's earlier launches
@@ -131,7 +132,7 @@ CONTROLLER_ENV = (CONFIG_PATH_ENV, TARGET_ENV)
 # --- the names as shell sees them -------------------------------------------------------------------
 
 
-SHELL_SUFFIXES = ("_FILE", "_ENV", "_DIR", "_PREFIX", "_GLOB")  # the constants shell gets
+SHELL_SUFFIXES = ("_FILE", "_ENV", "_DIR", "_PREFIX", "_GLOB", "_TRAILER")  # the constants shell gets
 
 
 def shell_assignments() -> str:

@@ -83,7 +83,7 @@ trap undo EXIT
 last=$(tail -n 1 -- "$run_dir/$RUN_ENV_FILE")
 have=$(($(wc -c < "$run_dir/$RUN_ENV_FILE") - ${#last} - 1))
 case "$last" in
-    "# fleet-env-bytes "[0-9]*) want=${last#"# fleet-env-bytes "} ;;
+    "# $RUN_ENV_TRAILER "[0-9]*) want=${last#"# $RUN_ENV_TRAILER "} ;;
     *) want="" ;;
 esac
 case "$want" in *[!0-9]*) want="" ;; esac
