@@ -1,6 +1,6 @@
-"""What the trainer and fleet agree on, written once: the run dir's files and the run's environment,
-the events.jsonl schema and its reader, the resume-check answer, the bucket table of the start-up
-log, and the N+M topology.
+"""What the trainer and fleet agree on, written once: the run dir's files and the run's environment
+(and the controller's own settings: every ``FLEET_*`` name), the events.jsonl schema and its
+reader, the resume-check answer, the bucket table of the start-up log, and the N+M topology.
 
 The trainer writes these (``training.events.EventWriter``, ``format_bucket_table``, ``--topology``);
 fleet, on the controller, reads them (``fab status``, ``fab plot``, the inventory's ``topology``).

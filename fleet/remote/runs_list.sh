@@ -39,7 +39,7 @@ summary() {  # summary DIR: the `key value` lines of one run
     printf 'alive %s\n' "$(run_alive "$1" && echo 1 || echo 0)"
     printf 'size_kib %s\n' "$(du -sk -- "$1" 2>/dev/null | cut -f1)"
     newest=""
-    # shellcheck disable=SC2231  # CHECKPOINT_GLOB is a glob: unquoted on purpose
+    # $CHECKPOINT_GLOB unquoted: it is the glob
     for ck in "$1/$CHECKPOINT_DIR"/$CHECKPOINT_GLOB; do
         [ -e "$ck" ] && newest=${ck##*/}  # the glob's order is the step order (zero-padded)
     done
