@@ -14,6 +14,7 @@ from invoke.exceptions import Exit
 
 from fleet.cli import fleet_task, inventory, map_targets, on_targets, repo_root, selected_run, single_target
 from fleet.errors import ConfigError
+from training.contract import EVENTS_FILE
 
 if TYPE_CHECKING:
     from fleet.status.model import RunStatus
@@ -117,7 +118,7 @@ def runs(c: Context, json: bool = False) -> None:
     help={
         "watch": "refresh in place every SECONDS (default 5) until the run ends",
         "json": "print one JSON object (state, phase, step, loss, tokens_per_s, diagnosis, ...)",
-        "log": "read a local run dir, events.jsonl or log file instead of a target",
+        "log": f"read a local run dir, {EVENTS_FILE} or log file instead of a target",
     },
     optional=["watch"],
 )
@@ -148,7 +149,7 @@ def status(c: Context, watch: str | None = None, json: bool = False, log: str = 
 @fleet_task(
     help={
         "out": "PNG path (default .fleet/plots/<target>-<run>.png)",
-        "log": "a local run dir or events.jsonl",
+        "log": f"a local run dir or {EVENTS_FILE}",
     }
 )
 def plot(c: Context, out: str = "", log: str = "") -> None:

@@ -36,6 +36,7 @@ from fleet.inventory import (
     select_targets,
 )
 from fleet.target import Target, open_target
+from training.contract import TARGET_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -178,7 +179,7 @@ def _fan_out(
         with _opened(specs[0]) as target:
             return [(specs[0], work(target))]
     if not allow_many:
-        raise ConfigError(f"{why_one}; set FLEET_TARGET to one name, not all")
+        raise ConfigError(f"{why_one}; set {TARGET_ENV} to one name, not all")
 
     def one(spec: TargetSpec) -> T:
         with _opened(spec) as target:

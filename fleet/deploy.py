@@ -224,6 +224,15 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes, mode: int, mtime
 RELEASE_REMOTE = ("run.sh", "run_notify.py", "run_cause.py")  # the run's wrapper and its helpers
 
 
+def release_file(arcname: str, path: Path) -> bytes:
+    """What the release holds at ``arcname``: the file, except that a shell script of ``remote/`` is
+    ``remote.script``'s text (its ``# fleet: include`` lines filled in: the run dir's names from
+    training/contract.py), since the target runs it from there, not through ``remote.sh``."""
+    if arcname.startswith("remote/") and arcname.endswith(".sh"):
+        return remote.script(path.name).encode()
+    return path.read_bytes()
+
+
 def build_release_tar(
     repo_root: Path, release_id: str, spec: TargetSpec, git: GitInfo, now: dt.datetime
 ) -> tuple[bytes, dict[str, Any]]:
@@ -237,7 +246,7 @@ def build_release_tar(
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for arcname, path in entries:
-            data = path.read_bytes()
+            data = release_file(arcname, path)
             st = path.stat()
             mode = 0o755 if arcname.endswith(".sh") or st.st_mode & 0o111 else 0o644
             _add_bytes(tar, arcname, data, mode, st.st_mtime)

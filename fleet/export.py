@@ -140,7 +140,7 @@ def fetch_export(target: Target, remote_path: str, dest: Path) -> Path:
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
             archive.extractall(tmp, members=_plain_members(archive, target.name))
         if not (tmp / HF_CONFIG_FILE).is_file():
-            raise RunError(f"{target.name}: {remote_path} holds no config.json")
+            raise RunError(f"{target.name}: {remote_path} holds no {HF_CONFIG_FILE}")
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fleet.errors import ConfigError
 from fleet.layout import Layout
 from training.config import RunConfig, TrainingError, load_config
-from training.contract import Topology, parse_topology
+from training.contract import CONFIG_PATH_ENV, TARGET_ENV, Topology, parse_topology
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 LXC_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -272,7 +272,7 @@ class Inventory:
 
 def default_inventory_path() -> Path:
     """``$FLEET_CONFIG`` if set, else the ``fleet.toml`` of this checkout (next to ``tasks.py``)."""
-    env = os.environ.get("FLEET_CONFIG")
+    env = os.environ.get(CONFIG_PATH_ENV)
     return Path(env).expanduser() if env else REPO_ROOT / "fleet.toml"
 
 
@@ -283,7 +283,7 @@ def load_inventory(path: Path | None = None) -> Inventory:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
-            f"{path}: inventory not found; create it (see README) or point FLEET_CONFIG at one"
+            f"{path}: inventory not found; create it (see README) or point {CONFIG_PATH_ENV} at one"
         ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the inventory: {err.strerror}") from None
@@ -320,7 +320,7 @@ def parse_inventory(data: Mapping[str, Any], path: Path) -> Inventory:
         if not NAME_RE.match(name) or name == "all" or name in targets:
             raise ConfigError(
                 f"{path}: runs.{name!r}: a run name uses letters, digits, '_' and '-', is not 'all' and "
-                "no target's name (FLEET_TARGET selects either); rename it"
+                f"no target's name ({TARGET_ENV} selects either); rename it"
             )
         _check_type(raw, dict, f"runs.{name}", "a table", path)
         runs[name] = _parse_multi_run(name, raw, targets, path)
@@ -339,7 +339,7 @@ def parse_inventory(data: Mapping[str, Any], path: Path) -> Inventory:
 
 def selected_name(inv: Inventory, name: str | None = None) -> str:
     """``name``, else ``$FLEET_TARGET``, else the default target (a target, a run, or ``all``)."""
-    return (name if name is not None else os.environ.get("FLEET_TARGET") or inv.default_target).strip()
+    return (name if name is not None else os.environ.get(TARGET_ENV) or inv.default_target).strip()
 
 
 def select_run(inv: Inventory, name: str | None = None) -> MultiRunSpec | None:
@@ -362,7 +362,7 @@ def select_targets(inv: Inventory, name: str | None = None, *, allow_all: bool) 
     if name in inv.runs:
         if not allow_all:
             raise ConfigError(
-                f"FLEET_TARGET={name} is a run over several hosts ({', '.join(inv.runs[name].targets)}): "
+                f"{TARGET_ENV}={name} is a run over several hosts ({', '.join(inv.runs[name].targets)}): "
                 "this task acts on one target; pick one of them (deploy, train, stop, status and logs "
                 "take the run)"
             )
@@ -371,13 +371,13 @@ def select_targets(inv: Inventory, name: str | None = None, *, allow_all: bool) 
     if name == "all":
         if not allow_all:
             raise ConfigError(
-                "FLEET_TARGET=all is only allowed for read-only tasks (status, logs); "
+                f"{TARGET_ENV}=all is only allowed for read-only tasks (status, logs); "
                 f"pick one target: {', '.join(inv.targets)}"
             )
         return list(inv.targets.values())
     if name not in inv.targets:
         raise ConfigError(
-            f"FLEET_TARGET={name!r} is not in {inv.path}; use one of: {', '.join(inv.targets)}"
+            f"{TARGET_ENV}={name!r} is not in {inv.path}; use one of: {', '.join(inv.targets)}"
             + (" or all" if allow_all else "")
         )
     return [inv.targets[name]]
@@ -909,7 +909,7 @@ def _parse_notify(key: str, raw: Any, path: Path) -> NotifySpec:
         isinstance(k, str) and ENV_KEY_RE.match(k) for k in command_env
     ):
         raise ConfigError(
-            f"{path}: {nkey}.command_env must be a list of run.env keys the command may see; "
+            f"{path}: {nkey}.command_env must be a list of keys of {key}.run.env the command may see; "
             'e.g. ["PAGER_TOKEN"]'
         )
     headers = raw.get("headers", {})

@@ -99,17 +99,19 @@ def _plan(
         if st.state == "live":
             raise RunError(
                 f"{target.name}: run {st.run_id or '(unknown)'} is live there (one run per target); "
-                f"stop it first (`FLEET_TARGET={target.name} fab stop`, or this run's `fab stop`)"
+                f"stop it first (`{contract.TARGET_ENV}={target.name} fab stop`, or this run's `fab stop`)"
             )
     currents = [st.current_release for st in states]
     missing = [t.name for t, c in zip(targets, currents, strict=True) if c is None]
     if missing:
-        raise RunError(f"{', '.join(missing)}: nothing deployed; `FLEET_TARGET={run.name} fab deploy` first")
+        raise RunError(
+            f"{', '.join(missing)}: nothing deployed; `{contract.TARGET_ENV}={run.name} fab deploy` first"
+        )
     if len(set(currents)) > 1:
         listed = ", ".join(f"{t.name} {c}" for t, c in zip(targets, currents, strict=True))
         raise RunError(
             f"{run.name}: the hosts are on different releases ({listed}); one run needs the same code "
-            f"everywhere: `FLEET_TARGET={run.name} fab deploy`"
+            f"everywhere: `{contract.TARGET_ENV}={run.name} fab deploy`"
         )
     release = currents[0]
     assert release is not None

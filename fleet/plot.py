@@ -24,7 +24,7 @@ from fleet.errors import ConfigError, RunError
 from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
 from fleet.status.model import continuous_events
-from training.contract import parse_events
+from training.contract import EVENTS_FILE, parse_events
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -187,7 +187,7 @@ def plot_log(path: Path, out: str = "") -> Path:
     """``fab plot --log PATH``: the PNG of a local run dir or events file; returns its path."""
     events_text, _log, truncated, _facts = read_local(path, PLOT_EVENT_BYTES)
     if not events_text:
-        raise ConfigError(f"plot --log {path}: no events.jsonl there; plot needs the events of a run")
+        raise ConfigError(f"plot --log {path}: no {EVENTS_FILE} there; plot needs the events of a run")
     return _plot(events_text, truncated, "local", path.name if path.is_dir() else path.parent.name, out)
 
 

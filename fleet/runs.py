@@ -46,7 +46,6 @@ EXIT_LIVE = 75  # run_launch.sh: a run is live
 EXIT_NO_WRAPPER = 66  # run_launch.sh: the release lacks remote/run.sh
 EXIT_EXISTS = 73  # run_launch.sh: the run directory exists
 EXIT_SHORT_ENV = 74  # run_launch.sh: the environment file arrived incomplete
-ENV_TRAILER = "fleet-env-bytes"
 STATUS_LINES = 12
 
 
@@ -342,11 +341,11 @@ def env_file_text(env: Mapping[str, str]) -> bytes:
     for key, value in sorted(env.items()):
         if not ENV_KEY_RE.match(key):
             raise RunError(
-                f"run.env: {key!r} is not an environment variable name; use [A-Za-z_][A-Za-z0-9_]*"
+                f"the run's environment: {key!r} is not a variable name; use [A-Za-z_][A-Za-z0-9_]*"
             )
         lines.append(f"export {key}={shlex.quote(value)}\n")
     body = "".join(lines).encode()
-    return body + f"# {ENV_TRAILER} {len(body)}\n".encode()
+    return body + f"# {contract.RUN_ENV_TRAILER} {len(body)}\n".encode()
 
 
 def _int_or_none(text: str) -> int | None:

@@ -1,6 +1,6 @@
-"""What the trainer and fleet agree on, written once: the run dir's files and the run's environment,
-the events.jsonl schema and its reader, the resume-check answer, the bucket table of the start-up
-log, and the N+M topology.
+"""What the trainer and fleet agree on, written once: the run dir's files and the run's environment
+(and the controller's own settings: every ``FLEET_*`` name), the events.jsonl schema and its
+reader, the resume-check answer, the bucket table of the start-up log, and the N+M topology.
 
 The trainer writes these (``training.events.EventWriter``, ``format_bucket_table``, ``--topology``);
 fleet, on the controller, reads them (``fab status``, ``fab plot``, the inventory's ``topology``).
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,9 +32,17 @@ LOCK_FILE = "lock"  # held (flock) by the wrapper and every process of the run: 
 RUN_RECORD_FILE = "run.json"  # fleet's record of the launch (argv, release, env keys, ...)
 ATTEMPTS_FILE = "attempts.jsonl"  # one line per ended attempt (the wrapper's restart policy)
 CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_config)
+STOP_SIGNAL_FILE = "stop_signal"  # the signal `fab stop` sent (a stop, not a crash; no restart after it)
+RUN_ENV_FILE = "run.env"  # the run's environment (0600) from the launcher; the wrapper deletes it once read
+RUN_ENV_TRAILER = "fleet-env-bytes"  # run.env's last line, "# fleet-env-bytes N": N bytes came before it
+LAUNCHED_AT_FILE = "launched_at"  # when the wrapper started (epoch seconds), written beside its pid
+SEGMENTS_FILE = "segments.jsonl"  # one line per launch of the run dir (`fab train` again resumes it)
+EARLIER_ATTEMPTS_FILE = "attempts-earlier.jsonl"  # the attempts of the run dir's earlier launches
+SET_ASIDE_PREFIX = ".prev-"  # a launch keeps the previous launch's files as .prev-NAME until it starts
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_FORMAT = "step-%08d.pt"
 CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt")
+CHECKPOINT_GLOB = "step-*.pt"  # every checkpoint, for a shell glob (zero-padded: its order is the steps')
 # Beside each checkpoint its manifest (size and sha256 of the file, written after it is fsync'd);
 # a checkpoint that failed its check is renamed aside with its manifest, never deleted.
 CHECKPOINT_MANIFEST_SUFFIX = ".manifest.json"  # step-00000042.pt.manifest.json
@@ -48,8 +57,16 @@ RUN_DIR_FILES = (
     RUN_RECORD_FILE,
     ATTEMPTS_FILE,
     CONFIG_FILE,
+    STOP_SIGNAL_FILE,
+    RUN_ENV_FILE,
+    LAUNCHED_AT_FILE,
+    SEGMENTS_FILE,
+    EARLIER_ATTEMPTS_FILE,
     CHECKPOINT_DIR,
 )
+# What a launch sets aside (SET_ASIDE_PREFIX + name) and puts back if it fails: the previous
+# launch's outcome and record, which are not this launch's.
+LAUNCH_FILES = (EXIT_CODE_FILE, STOP_SIGNAL_FILE, PID_FILE, PGID_FILE, RUN_RECORD_FILE, ATTEMPTS_FILE)
 
 
 # A Hugging Face model folder's config (the target's, and the exported drafter's: `fab export --to`
@@ -64,6 +81,7 @@ def checkpoint_name(step: int) -> str:
 
 # --- the run's environment: set by fleet, read by the trainer and the run's wrapper -----------------
 
+VARIABLE_PREFIX = "FLEET_"  # every variable below starts with it (the notify command sees none of them)
 COMPILE_CACHE_ENV = "FLEET_COMPILE_CACHE"  # the compile-cache root (training.compile.cache)
 DATA_CACHE_ENV = "FLEET_DATA_CACHE"  # the tokenized-data cache a workdir's runs share
 TRAINING_CACHE_ENV = "FLEET_TRAINING_CACHE"  # models, tokenizer, corpus (default ~/.cache/fleet-training)
@@ -102,6 +120,34 @@ RUN_ENV = (
     NOTIFY_TARGET_ENV,
     NOTIFY_STALL_ENV,
 )
+
+
+# --- the controller's own settings: read by fab on this machine, never passed to a run -----------
+
+CONFIG_PATH_ENV = "FLEET_CONFIG"  # the inventory file (default: fleet.toml of the checkout)
+TARGET_ENV = "FLEET_TARGET"  # the target, run over several hosts, or `all` a task acts on
+CONTROLLER_ENV = (CONFIG_PATH_ENV, TARGET_ENV)
+
+
+# --- the names as shell sees them -------------------------------------------------------------------
+
+
+SHELL_SUFFIXES = ("_FILE", "_ENV", "_DIR", "_PREFIX", "_GLOB", "_TRAILER")  # the constants shell gets
+
+
+def shell_assignments() -> str:
+    """``NAME='value'`` lines of every run-dir name and environment variable name above, named as
+    here: what ``# fleet: include contract`` puts into a script shipped to a target, so shell
+    spells none of them itself."""
+    lines = []
+    for name, value in sorted(globals().items()):
+        if not name.isupper():
+            continue
+        if isinstance(value, str) and name.endswith(SHELL_SUFFIXES):
+            lines.append(f"{name}={shlex.quote(value)}\n")
+        elif name == "LAUNCH_FILES":  # a word list: the names hold no space or glob character
+            lines.append(f"{name}={shlex.quote(' '.join(value))}\n")
+    return "".join(lines)
 
 
 # --- `python -m training resume-check`'s answer: lines on stdout -----------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from training.config import RunConfig, config_to_dict
+from training.contract import EVENTS_FILE
 
 
 class MetricsLogger(Protocol):
@@ -53,7 +54,7 @@ def make_logger(config: RunConfig, run_dir: Path) -> tuple[MetricsLogger, str]:
     try:
         wandb = importlib.import_module("wandb")
     except ImportError:
-        return NullLogger("not installed"), "wandb: package not installed, metrics only in events.jsonl"
+        return NullLogger("not installed"), f"wandb: package not installed, metrics only in {EVENTS_FILE}"
     if section.mode == "online" and not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE")):
         return NullLogger("no key"), "wandb: online mode but WANDB_API_KEY is not set, logging disabled"
     try:

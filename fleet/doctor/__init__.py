@@ -122,7 +122,7 @@ def measure_bandwidth(
         fix = (
             f"install torch in {spec.run_python} or use a managed env (targets.{spec.name}.env)"
             if "No module named 'torch'" in why
-            else "NCCL_DEBUG=INFO in the target's run.env shows why NCCL failed"
+            else f"NCCL_DEBUG=INFO in targets.{spec.name}.run.env shows why NCCL failed"
         )
         return Finding("bandwidth", "send/recv", "fail", f"the probe failed ({spec.run_python}): {why}", fix)
     need = per_token * tokens_per_s / 1e9 if spec.gpus > 0 else None

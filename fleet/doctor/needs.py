@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.doctor.parse import CHECKPOINT_BYTES_PER_PARAM
 from training.config import TargetShape, target_shape
+from training.contract import HF_CONFIG_FILE
 
 if TYPE_CHECKING:
     from fleet.inventory import TargetSpec
@@ -68,7 +69,7 @@ def run_needs(
         cfg = dict(model_config or {})
         cfg = dict(cfg.get("text_config", cfg))
         if not cfg:
-            notes.append("the model's config.json was not readable: hidden size 5120 assumed")
+            notes.append(f"the model's {HF_CONFIG_FILE} was not readable: hidden size 5120 assumed")
         h = int(cfg.get("hidden_size", 5120))
         heads = int(cfg.get("num_attention_heads", 4))
         shape = TargetShape(

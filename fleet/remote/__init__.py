@@ -13,6 +13,12 @@ text on the wire. ``prelude.sh`` (``emit``, ``section``, ``tail_section``, ``smi
 <exit code> <lines>`` and then exactly that many lines, read by :func:`parse_answers`;
 ``rundir.sh`` (``run_alive``, ``latest_run``) is what the run-dir scripts share, ``doctor.sh``
 (``nodes``) what both doctor scripts read alike.
+
+One part is not a file: ``# fleet: include contract`` becomes ``training.contract.shell_assignments()``,
+``NAME='value'`` lines of the run dir's file names and the run's variable names under the names
+they have in ``training/contract.py`` (``$EVENTS_FILE``, ``$RESTART_MAX_ENV``), so no script spells
+one itself. Rendered where the text is made: here for ``sh -c``, and by ``fleet.deploy`` for the
+``run.sh`` a release carries (``deploy.release_file``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from training import contract
+
 DIR = Path(__file__).resolve().parent
-INCLUDE = "# fleet: include "  # followed by a part's file name (prelude.sh, rundir.sh)
+INCLUDE = "# fleet: include "  # followed by a part's file name (prelude.sh, rundir.sh), or CONTRACT
+CONTRACT = "contract"  # the generated part: training/contract.py's names as shell assignments
 SECTION_MARK = "@@fleet "  # prelude.sh's emit: "@@fleet <name> <exit code> <lines>", then the text
 
 
@@ -43,7 +52,10 @@ def path(name: str) -> Path:
 
 
 def _part(name: str) -> str:
-    """A part file's code: its header comments (up to the first other line) stay here."""
+    """A part's code: the contract's assignments, or a part file's code (its header comments, up
+    to the first other line, stay here)."""
+    if name == CONTRACT:
+        return contract.shell_assignments()
     lines = path(name).read_text(encoding="utf-8").splitlines(keepends=True)
     return "".join(lines[next(i for i, line in enumerate(lines) if not line.startswith("#")) :])
 

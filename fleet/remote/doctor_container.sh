@@ -13,6 +13,7 @@ manifest=$4
 model=$5
 gpu=$6
 
+# fleet: include contract
 # fleet: include prelude.sh
 # fleet: include doctor.sh
 libs() {  # the NVIDIA user-space libraries: "link NAME TARGET" / "file NAME REALPATH"
@@ -60,7 +61,7 @@ emit libs "$?" "$out"
 section module cat /proc/driver/nvidia/version
 if [ -n "$manifest" ]; then section env cat "$manifest"; fi
 if [ -n "$model" ]; then
-    section model_config cat "$model/config.json"
+    section model_config cat "$model/$HF_CONFIG_FILE"
     section model_bytes du -s -k -L "$model"
 fi
 if [ "$gpu" != none ]; then smi_section smi_xml -q -x; fi

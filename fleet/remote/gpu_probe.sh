@@ -8,6 +8,7 @@
 # caller reads every answer. Each nvidia-smi call runs under `timeout` where the target has it.
 timeout_s=$1
 smi=$2
+# fleet: include contract
 # fleet: include prelude.sh
 smi_section query --query-gpu="$3" --format=csv
 # a hung (timeout), unrunnable or missing nvidia-smi: the other parts would only repeat it
@@ -23,6 +24,6 @@ case " $5 " in *" apps "*)
 esac
 case " $5 " in *" xml "*) smi_section xml -q -x ;; esac
 if [ -n "$6" ]; then
-    emit runids 0 "$(cat -- "$6/pid" "$6/pgid" 2>/dev/null)"
+    emit runids 0 "$(cat -- "$6/$PID_FILE" "$6/$PGID_FILE" 2>/dev/null)"
 fi
 exit 0

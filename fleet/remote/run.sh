@@ -21,17 +21,37 @@
 #   RELEASE_DIR/remote/run_notify.py with ARGV's python: `watch` beside the trainer (stalls) and
 #   `send` when the run finishes, fails or is restarted. Those values (a webhook URL or header may
 #   hold a secret) reach only the notifier's environment: never argv, the trainer or the log.
+#
+# The file and variable names are training/contract.py's, put in place of the include line below
+# when fleet.deploy writes this file into the release (deploy.release_file). Every path is made
+# here, before run.env is loaded: a run.env key of the same name as one of them (LOG_FILE) must not
+# move the run's files.
 set -u
 run_dir=$1
 release_dir=$2
 shift 2
-log="$run_dir/train.log"
+# fleet: include contract
+log="$run_dir/$LOG_FILE"
+lock="$run_dir/$LOCK_FILE"
+run_env="$run_dir/$RUN_ENV_FILE"
+exit_file="$run_dir/$EXIT_CODE_FILE"
+stop_file="$run_dir/$STOP_SIGNAL_FILE"
+attempts_log="$run_dir/$ATTEMPTS_FILE"
+max_var=$RESTART_MAX_ENV
+backoff_var=$RESTART_BACKOFF_ENV
+no_retry_var=$NO_RETRY_ENV
+url_var=$NOTIFY_URL_ENV
+command_var=$NOTIFY_COMMAND_ENV
+notify_envs=("$NOTIFY_URL_ENV" "$NOTIFY_HEADERS_ENV" "$NOTIFY_COMMAND_ENV" "$NOTIFY_PASS_ENV" "$NOTIFY_TARGET_ENV")
+stall_var=$NOTIFY_STALL_ENV
+run_dir_var=$RUN_DIR_ENV
+release_var=$RELEASE_DIR_ENV
 
-exec 9>>"$run_dir/lock"
+exec 9>>"$lock"
 # -w: a status read holds the lock shared for an instant; a live trainer holds it for good.
 if command -v flock >/dev/null 2>&1 && ! flock -w 5 9; then
     printf 'fleet: a process of this run still holds %s (a trainer is live in this run dir); not starting a second\n' \
-        "$run_dir/lock" | tee -a -- "$log" >&2
+        "$lock" | tee -a -- "$log" >&2
     exit 75
 fi
 
@@ -39,38 +59,38 @@ read -r stat < "/proc/$$/stat" || stat=""
 rest=${stat##*) }
 read -r _state _ppid pgid _rest <<< "$rest" || true
 pgid=${pgid:-$$}
-printf '%s\n' "$$" > "$run_dir/pid"
-printf '%s\n' "$pgid" > "$run_dir/pgid"
-printf '%s\n' "${EPOCHREALTIME:-$(date +%s)}" > "$run_dir/launched_at"
+printf '%s\n' "$$" > "$run_dir/$PID_FILE"
+printf '%s\n' "$pgid" > "$run_dir/$PGID_FILE"
+printf '%s\n' "${EPOCHREALTIME:-$(date +%s)}" > "$run_dir/$LAUNCHED_AT_FILE"
 
-if [ -f "$run_dir/run.env" ]; then
-    # shellcheck disable=SC1091
-    . "$run_dir/run.env"
-    rm -f -- "$run_dir/run.env"
+if [ -f "$run_env" ]; then
+    # shellcheck disable=SC1090  # the run's environment, written by the launcher
+    . "$run_env"
+    rm -f -- "$run_env"
 fi
-restart_max=${FLEET_RESTART_MAX:-0}
-backoff_s=${FLEET_RESTART_BACKOFF_S:-60}
-no_retry=${FLEET_NO_RETRY:-}
-unset FLEET_RESTART_MAX FLEET_RESTART_BACKOFF_S FLEET_NO_RETRY
-notify_url=${FLEET_NOTIFY_URL:-}
-notify_headers=${FLEET_NOTIFY_HEADERS:-}
-notify_command=${FLEET_NOTIFY_COMMAND:-}
-notify_command_env=${FLEET_NOTIFY_COMMAND_ENV:-}
-notify_target=${FLEET_NOTIFY_TARGET:-}
-stall_s=${FLEET_NOTIFY_STALL_S:-600}
-unset FLEET_NOTIFY_URL FLEET_NOTIFY_HEADERS FLEET_NOTIFY_COMMAND FLEET_NOTIFY_COMMAND_ENV FLEET_NOTIFY_TARGET \
-    FLEET_NOTIFY_STALL_S
+# The wrapper's own settings (${!name}: the variable that name names), taken out of the environment
+# so neither the trainer nor the log sees them; the notifier gets its own back (notify_run).
+restart_max=${!max_var:-0}
+backoff_s=${!backoff_var:-60}
+no_retry=${!no_retry_var:-}
+unset "$max_var" "$backoff_var" "$no_retry_var"
+notify_on=${!url_var:-}${!command_var:-}
+notify_pass=()
+for name in "${notify_envs[@]}"; do
+    notify_pass+=("$name=${!name:-}")
+    unset "$name"
+done
+stall_s=${!stall_var:-600}
+unset "$stall_var"
 notifier="$release_dir/remote/run_notify.py"
 python=${1:-python3}
 notifying=""
-if [ -n "$notify_url$notify_command" ] && [ -f "$notifier" ]; then
+if [ -n "$notify_on" ] && [ -f "$notifier" ]; then
     notifying=1
 fi
 # The notifier's environment only; its output (one line per failed delivery) goes to the log.
 notify_run() {
-    FLEET_NOTIFY_URL=$notify_url FLEET_NOTIFY_HEADERS=$notify_headers FLEET_NOTIFY_COMMAND=$notify_command \
-        FLEET_NOTIFY_COMMAND_ENV=$notify_command_env FLEET_NOTIFY_TARGET=$notify_target \
-        "$python" -I "$notifier" "$@" >> "$log" 2>&1
+    env "${notify_pass[@]}" "$python" -I "$notifier" "$@" >> "$log" 2>&1
 }
 # In the background and without the run's lock: a slow or hanging webhook or command (the
 # notifier bounds both) never holds a restart, the exit status or the run's liveness. It ignores
@@ -82,14 +102,14 @@ notify() {  # STATE CAUSE
 }
 export PYTHONPATH="$release_dir"
 export PYTHONUNBUFFERED=1
-export FLEET_RUN_DIR="$run_dir"
-export FLEET_RELEASE_DIR="$release_dir"
+export "$run_dir_var=$run_dir"
+export "$release_var=$release_dir"
 
 finish() {
     if [ -n "${watcher:-}" ]; then
         kill "$watcher" 2>/dev/null || true
     fi
-    printf '%s\n' "$1" > "$run_dir/exit_code.tmp" && mv -f -- "$run_dir/exit_code.tmp" "$run_dir/exit_code"
+    printf '%s\n' "$1" > "$exit_file.tmp" && mv -f -- "$exit_file.tmp" "$exit_file"
     printf 'fleet: run exited with code %s\n' "$1" | tee -a "$log"
     exit "$1"
 }
@@ -107,13 +127,13 @@ no_retry_cause() {
         return
     fi
     if [ -n "$no_retry" ]; then
-        FLEET_NO_RETRY=$no_retry "$python" -I "$release_dir/remote/run_cause.py" "$log" "$from" 2>/dev/null || true
+        env "$no_retry_var=$no_retry" "$python" -I "$release_dir/remote/run_cause.py" "$log" "$from" 2>/dev/null || true
     fi
 }
 
 record_attempt() {  # attempt exit_code cause retry
     printf '{"attempt": %s, "exit_code": %s, "cause": "%s", "retry": %s, "ts": %s}\n' \
-        "$1" "$2" "$3" "$4" "$(date +%s)" >> "$run_dir/attempts.jsonl"
+        "$1" "$2" "$3" "$4" "$(date +%s)" >> "$attempts_log"
 }
 
 watcher=""
@@ -132,7 +152,7 @@ while :; do
         break
     fi
     cause=$(no_retry_cause "$code" "$from")
-    if [ -e "$run_dir/stop_signal" ]; then
+    if [ -e "$stop_file" ]; then
         record_attempt "$attempt" "$code" "stopped by fab stop" false
         break
     fi
@@ -151,16 +171,16 @@ while :; do
     printf 'fleet: exit %s; restart %s of %s in %ss (attempt %s)\n' \
         "$code" "$attempt" "$restart_max" "$backoff_s" "$((attempt + 1))" | tee -a -- "$log"
     sleep "$backoff_s"
-    if [ -e "$run_dir/stop_signal" ]; then  # `fab stop` during the back-off
+    if [ -e "$stop_file" ]; then  # `fab stop` during the back-off
         break
     fi
     attempt=$((attempt + 1))
 done
 if [ "$code" -ne 0 ]; then
-    if [ ! -e "$run_dir/stop_signal" ]; then
+    if [ ! -e "$stop_file" ]; then
         notify failed "exit $code${cause:+ ($cause)}"
     fi
-elif [ ! -e "$run_dir/stop_signal" ]; then
+elif [ ! -e "$stop_file" ]; then
     notify finished ""
 fi
 finish "$code"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).absolute().parent.parent))  # the release: training/ is beside remote/
 
-from training.contract import log_lines
+from training.contract import NO_RETRY_ENV, log_lines
 
 
 def first_cause(text: str, rows: str) -> str:
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
             text = fh.read().decode("utf-8", "replace")
     except OSError:
         return 0
-    print(first_cause(text, os.environ.get("FLEET_NO_RETRY", "")), end="")
+    print(first_cause(text, os.environ.get(NO_RETRY_ENV, "")), end="")
     return 0
 
 

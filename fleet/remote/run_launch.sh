@@ -33,10 +33,11 @@ shift 7
 rel_dir="$workdir/releases/$release"
 run_dir="$workdir/runs/$run_id"
 test -f "$rel_dir/remote/run.sh" || { echo "release $release has no remote/run.sh: redeploy" >&2; exit 66; }
+# fleet: include contract
 # fleet: include rundir.sh
 for dir in "$workdir"/runs/*; do
     if [ -d "$dir" ] && [ ! -L "$dir" ] && run_alive "$dir"; then
-        echo "run ${dir##*/} is live (its processes hold $dir/lock; tmux may be gone)" >&2
+        echo "run ${dir##*/} is live (its processes hold $dir/$LOCK_FILE; tmux may be gone)" >&2
         exit 75
     fi
 done
@@ -69,20 +70,20 @@ undo() {
     fi
     if [ "$mode" = resume ]; then
         # The run's history stays, as the previous launch left it; no secret is left at rest.
-        rm -f -- "$run_dir/run.env"
-        for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
-            if [ -e "$run_dir/.prev-$f" ]; then mv -f -- "$run_dir/.prev-$f" "$run_dir/$f"; fi
+        rm -f -- "$run_dir/$RUN_ENV_FILE"
+        for f in $LAUNCH_FILES; do
+            if [ -e "$run_dir/$SET_ASIDE_PREFIX$f" ]; then mv -f -- "$run_dir/$SET_ASIDE_PREFIX$f" "$run_dir/$f"; fi
         done
     else
         rm -rf -- "$run_dir"
     fi
 }
 trap undo EXIT
-(umask 077 && cat > "$run_dir/run.env")
-last=$(tail -n 1 -- "$run_dir/run.env")
-have=$(($(wc -c < "$run_dir/run.env") - ${#last} - 1))
+(umask 077 && cat > "$run_dir/$RUN_ENV_FILE")
+last=$(tail -n 1 -- "$run_dir/$RUN_ENV_FILE")
+have=$(($(wc -c < "$run_dir/$RUN_ENV_FILE") - ${#last} - 1))
 case "$last" in
-    "# fleet-env-bytes "[0-9]*) want=${last#"# fleet-env-bytes "} ;;
+    "# $RUN_ENV_TRAILER "[0-9]*) want=${last#"# $RUN_ENV_TRAILER "} ;;
     *) want="" ;;
 esac
 case "$want" in *[!0-9]*) want="" ;; esac
@@ -107,10 +108,11 @@ esac
 # The previous launch's outcome is not this one's (status reads exit_code and stop_signal); kept
 # aside until this launch has started, put back if it does not. The restart policy counts the
 # attempts of one launch: the previous launch's go to attempts-earlier.jsonl.
-for f in exit_code stop_signal pid pgid run.json attempts.jsonl; do
-    if [ -e "$run_dir/$f" ]; then mv -f -- "$run_dir/$f" "$run_dir/.prev-$f"; fi
+for f in $LAUNCH_FILES; do
+    if [ -e "$run_dir/$f" ]; then mv -f -- "$run_dir/$f" "$run_dir/$SET_ASIDE_PREFIX$f"; fi
 done
-printf '%s\n' "$run_json" > "$run_dir/run.json.tmp" && mv -f -- "$run_dir/run.json.tmp" "$run_dir/run.json"
+record="$run_dir/$RUN_RECORD_FILE"
+printf '%s\n' "$run_json" > "$record.tmp" && mv -f -- "$record.tmp" "$record"
 # The pane starts as a placeholder so remain-on-exit is set before the run's command exists;
 # respawn-pane then replaces it: a run that dies at once still leaves its exit status readable.
 "$tmux" new-session -d -s "$session" -c "$rel_dir" sh -c 'sleep 3600' "$run_dir" \; \
@@ -118,7 +120,7 @@ printf '%s\n' "$run_json" > "$run_dir/run.json.tmp" && mv -f -- "$run_dir/run.js
     respawn-pane -k -t "=$session:" -c "$rel_dir" bash "$rel_dir/remote/run.sh" "$run_dir" "$rel_dir" "$@"
 # Wait (bounded) until run.sh has read run.env; a wrapper that cannot start leaves a dead pane.
 tries=0
-while [ -e "$run_dir/run.env" ]; do
+while [ -e "$run_dir/$RUN_ENV_FILE" ]; do
     pane=$("$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_dead_status}' 2>/dev/null | head -n 1)
     case "$pane" in
         "0 "*) ;;
@@ -137,14 +139,16 @@ done
 ln -s -- "$run_id" "$workdir/runs/.latest.tmp-$run_id"
 mv -T -- "$workdir/runs/.latest.tmp-$run_id" "$workdir/runs/latest"
 started=1
-if [ -e "$run_dir/.prev-attempts.jsonl" ]; then
-    cat -- "$run_dir/.prev-attempts.jsonl" >> "$run_dir/attempts-earlier.jsonl"
+if [ -e "$run_dir/$SET_ASIDE_PREFIX$ATTEMPTS_FILE" ]; then
+    cat -- "$run_dir/$SET_ASIDE_PREFIX$ATTEMPTS_FILE" >> "$run_dir/$EARLIER_ATTEMPTS_FILE"
 fi
-rm -f -- "$run_dir/.prev-exit_code" "$run_dir/.prev-stop_signal" "$run_dir/.prev-pid" \
-    "$run_dir/.prev-pgid" "$run_dir/.prev-run.json" "$run_dir/.prev-attempts.jsonl"
+for f in $LAUNCH_FILES; do
+    rm -f -- "$run_dir/$SET_ASIDE_PREFIX$f"
+done
+segments="$run_dir/$SEGMENTS_FILE"
 segment=1
-if [ -f "$run_dir/segments.jsonl" ]; then
-    segment=$(($(wc -l < "$run_dir/segments.jsonl") + 1))
+if [ -f "$segments" ]; then
+    segment=$(($(wc -l < "$segments") + 1))
 fi
-printf '{"segment": %s, %s\n' "$segment" "${run_json#\{}" >> "$run_dir/segments.jsonl"
+printf '{"segment": %s, %s\n' "$segment" "${run_json#\{}" >> "$segments"
 printf '%s\n' "$run_dir"

@@ -12,6 +12,9 @@ run with the body on stdin and only the environment ``command_env`` gives it: PA
 the run.env keys named in FLEET_NOTIFY_COMMAND_ENV), FLEET_NOTIFY_TARGET. The body is small JSON:
 target, run, state, step, cause, fix. The URL and header values may hold secrets: nothing here
 prints them; a failed delivery says only its kind (one line in train.log).
+
+The run dir's file names and those variables' names are training.contract's, imported from the
+release this file ships in (stdlib only, as this file is).
 """
 
 from __future__ import annotations
@@ -24,6 +27,20 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).absolute().parent.parent))  # the release: training/ is beside remote/
+
+from training.contract import (
+    EVENTS_FILE,
+    EXIT_CODE_FILE,
+    LOG_FILE,
+    NOTIFY_COMMAND_ENV,
+    NOTIFY_HEADERS_ENV,
+    NOTIFY_PASS_ENV,
+    NOTIFY_TARGET_ENV,
+    NOTIFY_URL_ENV,
+    VARIABLE_PREFIX,
+)
 
 # Bounded, so a hanging webhook or command cannot hold the wrapper's notifier for long.
 WEBHOOK_TIMEOUT_S = 10
@@ -43,7 +60,7 @@ FIXES = {
 
 def last_step(run_dir: Path) -> int | None:
     """The step of the last ``step`` event (the last 64 KiB of events.jsonl)."""
-    path = run_dir / "events.jsonl"
+    path = run_dir / EVENTS_FILE
     try:
         with path.open("rb") as fh:
             fh.seek(max(0, path.stat().st_size - 65536))
@@ -62,7 +79,7 @@ def last_step(run_dir: Path) -> int | None:
 
 def body(run_dir: Path, state: str, cause: str) -> bytes:
     data = {
-        "target": os.environ.get("FLEET_NOTIFY_TARGET", ""),
+        "target": os.environ.get(NOTIFY_TARGET_ENV, ""),
         "run": run_dir.name,
         "state": state,
         "step": last_step(run_dir),
@@ -75,19 +92,23 @@ def body(run_dir: Path, state: str, cause: str) -> bytes:
 def command_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     """The notify command's environment: the basics a program needs, plus only the run.env keys
     the inventory names (``notify.command_env``); never the run's other secrets or the notifier's."""
-    passed = set((environ.get("FLEET_NOTIFY_COMMAND_ENV") or "").split())
-    return {k: v for k, v in environ.items() if k in BASE_ENV or (k in passed and not k.startswith("FLEET_"))}
+    passed = set((environ.get(NOTIFY_PASS_ENV) or "").split())
+    return {
+        k: v
+        for k, v in environ.items()
+        if k in BASE_ENV or (k in passed and not k.startswith(VARIABLE_PREFIX))
+    }
 
 
 def send(run_dir: Path, state: str, cause: str) -> int:
     payload = body(run_dir, state, cause)
     failed = 0
-    url = os.environ.get("FLEET_NOTIFY_URL", "")
+    url = os.environ.get(NOTIFY_URL_ENV, "")
     if url:
         try:
             headers = {
                 "Content-Type": "application/json",
-                **json.loads(os.environ.get("FLEET_NOTIFY_HEADERS") or "{}"),
+                **json.loads(os.environ.get(NOTIFY_HEADERS_ENV) or "{}"),
             }
             request = urllib.request.Request(url, data=payload, headers=headers, method="POST")
             with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:
@@ -109,7 +130,7 @@ def send(run_dir: Path, state: str, cause: str) -> int:
                 file=sys.stderr,
             )
             failed = 1
-    command = json.loads(os.environ.get("FLEET_NOTIFY_COMMAND") or "[]")
+    command = json.loads(os.environ.get(NOTIFY_COMMAND_ENV) or "[]")
     if command:
         try:
             done = subprocess.run(
@@ -126,7 +147,7 @@ def send(run_dir: Path, state: str, cause: str) -> int:
 
 def activity(run_dir: Path) -> float:
     times = []
-    for name in ("events.jsonl", "train.log"):
+    for name in (EVENTS_FILE, LOG_FILE):
         try:
             times.append((run_dir / name).stat().st_mtime)
         except OSError:
@@ -139,7 +160,7 @@ def watch(run_dir: Path, stall_s: float) -> int:
     parent = os.getppid()
     notified_at: float | None = None
     interval = max(0.5, min(10.0, stall_s / 4))
-    while os.getppid() == parent and not (run_dir / "exit_code").exists():
+    while os.getppid() == parent and not (run_dir / EXIT_CODE_FILE).exists():
         last = activity(run_dir)
         if notified_at is not None and last > notified_at:
             notified_at = None  # it moved again: a later stall is news

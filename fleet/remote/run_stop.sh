@@ -12,10 +12,11 @@ tmux=$2
 session=$3
 sig=$4
 timeout_s=$5
+# fleet: include contract
 # fleet: include rundir.sh
 run_id=$(latest_run "$workdir")
 run_dir="$workdir/runs/$run_id"
-pgid=$(cat -- "$run_dir/pgid" 2>/dev/null) || pgid=""
+pgid=$(cat -- "$run_dir/$PGID_FILE" 2>/dev/null) || pgid=""
 case "$pgid" in '' | *[!0-9]*) pgid="" ;; esac
 if [ -z "$run_id" ] || [ -z "$pgid" ] || ! run_alive "$run_dir"; then
     pane=$("$tmux" list-panes -s -t "=$session" -F '#{pane_dead}' 2>/dev/null | head -n 1)
@@ -23,7 +24,7 @@ if [ -z "$run_id" ] || [ -z "$pgid" ] || ! run_alive "$run_dir"; then
     exit 0
 fi
 # Recorded first, so `fab status` can tell a `fab stop --force` (exit 137) from an OOM kill.
-printf '%s\n' "$sig" > "$run_dir/stop_signal" 2>/dev/null || true
+printf '%s\n' "$sig" > "$run_dir/$STOP_SIGNAL_FILE" 2>/dev/null || true
 kill -s "$sig" -- "-$pgid" 2>/dev/null || true
 ticks=0
 limit=$((timeout_s * 5))
@@ -35,9 +36,9 @@ while run_alive "$run_dir"; do
     sleep 0.2
     ticks=$((ticks + 1))
 done
-if [ "$sig" = KILL ] && [ ! -e "$run_dir/exit_code" ]; then
+if [ "$sig" = KILL ] && [ ! -e "$run_dir/$EXIT_CODE_FILE" ]; then
     # run.sh was killed too and could not record it: record what a shell would report.
-    printf '137\n' > "$run_dir/exit_code"
+    printf '137\n' > "$run_dir/$EXIT_CODE_FILE"
 fi
 # run.sh has exited; give tmux a moment to mark the pane dead so a status read right after is exact.
 wait=0

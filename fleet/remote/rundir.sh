@@ -1,17 +1,18 @@
 # shellcheck shell=sh
 # What the run-dir scripts share, put in place of their `# fleet: include rundir.sh` line by
-# fleet/remote/__init__.py's script(). POSIX sh (dash on Debian/Proxmox).
-# run_alive RUN_DIR: a run is alive while RUN_DIR/lock is held: run.sh takes it first and every
+# fleet/remote/__init__.py's script(), after the script's `# fleet: include contract` (the run
+# dir's names: $LOCK_FILE, $PGID_FILE). POSIX sh (dash on Debian/Proxmox).
+# run_alive RUN_DIR: a run is alive while its lock file is held: run.sh takes it first and every
 # process of the run inherits it, so it outlives tmux and run.sh itself. Without flock, or for a
 # run dir from before the lock, a process of the recorded group that is not a zombie (tmux may
 # leave a dead pane's process unreaped). Never `kill -0 -- -PGID`: dash rejects it.
 run_alive() {
-    if [ -e "$1/lock" ] && command -v flock >/dev/null 2>&1; then
-        flock -n -s -E 75 "$1/lock" true 2>/dev/null
+    if [ -e "$1/$LOCK_FILE" ] && command -v flock >/dev/null 2>&1; then
+        flock -n -s -E 75 "$1/$LOCK_FILE" true 2>/dev/null
         [ $? -eq 75 ]
         return
     fi
-    pgid=$(cat -- "$1/pgid" 2>/dev/null) || return 1
+    pgid=$(cat -- "$1/$PGID_FILE" 2>/dev/null) || return 1
     case "$pgid" in '' | *[!0-9]*) return 1 ;; esac
     for st in /proc/[0-9]*/stat; do
         { read -r line < "$st"; } 2>/dev/null || continue

@@ -10,6 +10,7 @@ keep=$2
 runs="$workdir/runs"
 [ -d "$runs" ] || exit 0
 latest=$(readlink -- "$runs/latest" 2>/dev/null) || latest=""
+# fleet: include contract
 # fleet: include prelude.sh
 # fleet: include rundir.sh
 nl='
@@ -34,17 +35,18 @@ if [ "$keep" -gt 0 ]; then
 fi
 emit removed 0 "$removed"
 summary() {  # summary DIR: the `key value` lines of one run
-    printf 'exit_code %s\n' "$(cat -- "$1/exit_code" 2>/dev/null)"
+    printf 'exit_code %s\n' "$(cat -- "$1/$EXIT_CODE_FILE" 2>/dev/null)"
     printf 'alive %s\n' "$(run_alive "$1" && echo 1 || echo 0)"
     printf 'size_kib %s\n' "$(du -sk -- "$1" 2>/dev/null | cut -f1)"
     newest=""
-    for ck in "$1"/checkpoints/step-*.pt; do
+    # $CHECKPOINT_GLOB unquoted: it is the glob
+    for ck in "$1/$CHECKPOINT_DIR"/$CHECKPOINT_GLOB; do
         [ -e "$ck" ] && newest=${ck##*/}  # the glob's order is the step order (zero-padded)
     done
     printf 'checkpoint %s\n' "$newest"
-    printf 'launches %s\n' "$(cat -- "$1/segments.jsonl" 2>/dev/null | wc -l)"
-    tail -c 65536 -- "$1/events.jsonl" 2>/dev/null | grep -E '"event": ?"step"' | tail -n 1 | sed 's/^/step /'
-    tail -c 65536 -- "$1/events.jsonl" 2>/dev/null | grep -E '"event": ?"phase"' | tail -n 1 | sed 's/^/phase /'
+    printf 'launches %s\n' "$(cat -- "$1/$SEGMENTS_FILE" 2>/dev/null | wc -l)"
+    tail -c 65536 -- "$1/$EVENTS_FILE" 2>/dev/null | grep -E '"event": ?"step"' | tail -n 1 | sed 's/^/step /'
+    tail -c 65536 -- "$1/$EVENTS_FILE" 2>/dev/null | grep -E '"event": ?"phase"' | tail -n 1 | sed 's/^/phase /'
 }
 for dir in "$runs"/*; do
     id=${dir##*/}

@@ -16,6 +16,7 @@ fields=$6
 m=${7:-$4}
 # shellcheck disable=SC2034  # timeout_s is read by the prelude's limited
 timeout_s=10
+# fleet: include contract
 # fleet: include prelude.sh
 # fleet: include rundir.sh
 section now date +%s
@@ -26,15 +27,15 @@ if [ -n "$run" ] && [ -d "$d" ]; then
     section pane "$tmux" list-panes -s -t "=$session" -F '#{pane_dead} #{pane_dead_status} #{pane_dead_signal} #{pane_pid}'
     if run_alive "$d"; then alive=1; else alive=0; fi
     emit alive 0 "$alive"
-    section run_json cat -- "$d/run.json"
-    for f in pid exit_code stop_signal; do
+    section run_json cat -- "$d/$RUN_RECORD_FILE"
+    for f in "$PID_FILE" "$EXIT_CODE_FILE" "$STOP_SIGNAL_FILE"; do
         section "$f" cat -- "$d/$f"
     done
-    section attempts tail -n 20 -- "$d/attempts.jsonl"
-    section events_stat stat -c '%s %Y' -- "$d/events.jsonl"
-    tail_section events_tail "$n" "$d/events.jsonl"
-    section log_stat stat -c '%s %Y' -- "$d/train.log"
-    tail_section log_tail "$m" "$d/train.log"
+    section attempts tail -n 20 -- "$d/$ATTEMPTS_FILE"
+    section events_stat stat -c '%s %Y' -- "$d/$EVENTS_FILE"
+    tail_section events_tail "$n" "$d/$EVENTS_FILE"
+    section log_stat stat -c '%s %Y' -- "$d/$LOG_FILE"
+    tail_section log_tail "$m" "$d/$LOG_FILE"
 fi
 if [ -n "$smi" ]; then
     smi_section gpus --query-gpu="$fields" --format=csv

@@ -25,7 +25,7 @@ from fleet.errors import CommandFailed, ConfigError, GpuGateError, RunError, Tar
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
 from fleet.status.model import GpuRow, RunFacts, RunStatus, State, build_status
-from training.contract import EVENTS_FILE, EXIT_CODE_FILE, LOG_FILE
+from training.contract import EVENTS_FILE, EXIT_CODE_FILE, LOG_FILE, PID_FILE, STOP_SIGNAL_FILE
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -67,14 +67,14 @@ def parse_fetch(stdout: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int |
     run_id = s.get("run", "").strip()
     now = _float(s.get("now", ""))
     alive: bool | None = None
-    exit_code = _int(s.get("exit_code", ""))
+    exit_code = _int(s.get(EXIT_CODE_FILE, ""))  # status_fetch.sh names these sections by their files
     if run_id:
         # tmux leaves a field empty (a pane killed by a signal has no exit status): split on the
         # single spaces of the format, so no field slides into another's place.
         pane = (s.get("pane", "").splitlines() or [""])[0].split(" ")
         # The session's pane is this run's only when its pid is the one run.sh recorded: a pane
         # left by another run must not lend this one its liveness or exit status.
-        pid, pane_pid = _int(s.get("pid", "")), _int(pane[3]) if len(pane) > 3 else None
+        pid, pane_pid = _int(s.get(PID_FILE, "")), _int(pane[3]) if len(pane) > 3 else None
         if pid is None or (pane_pid is not None and pane_pid != pid) or pane[0] not in ("0", "1"):
             pane = []
         # The run's own lock says whether it lives (tmux may be gone while its trainer runs on);
@@ -101,7 +101,7 @@ def parse_fetch(stdout: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int |
         events_mtime=_float(ev_stat[1]) if len(ev_stat) > 1 else None,
         log_size=_int(log_stat[0]) if log_stat else None,
         started_at=_iso_seconds(run_json.get("started_at")),
-        stop_signal=s.get("stop_signal", "").strip(),
+        stop_signal=s.get(STOP_SIGNAL_FILE, "").strip(),
         attempts=tuple(_attempts(s.get("attempts", ""))),
     )
     ev_size = _int(ev_stat[0]) if ev_stat else None
@@ -254,7 +254,7 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
     """``--log PATH``: a run dir, an events file (*.jsonl) or a log -> (events, log, truncated, facts)."""
     if not path.exists():
         raise ConfigError(
-            f"--log {path}: no such file or directory; give a run dir, events.jsonl or a log file"
+            f"--log {path}: no such file or directory; give a run dir, {EVENTS_FILE} or a log file"
         )
     events_path = log_path = None
     if path.is_dir():
@@ -266,17 +266,17 @@ def read_local(path: Path, tail_bytes: int = TAIL_BYTES) -> tuple[str, str, bool
     events_text, truncated = _tail(events_path, tail_bytes)
     log_text, _ = _tail(log_path, tail_bytes)
     if not events_text and not log_text:
-        raise ConfigError(f"--log {path}: found no events.jsonl or train.log there")
+        raise ConfigError(f"--log {path}: found no {EVENTS_FILE} or {LOG_FILE} there")
     exit_code = None
     if path.is_dir() and (path / EXIT_CODE_FILE).is_file():
         exit_code = _int((path / EXIT_CODE_FILE).read_text(errors="replace"))
     if path.is_dir():
         run_id = path.name
     else:
-        run_id = path.parent.name if path.name in (EVENTS_FILE, "train.log") else path.name
+        run_id = path.parent.name if path.name in (EVENTS_FILE, LOG_FILE) else path.name
     stop_signal = ""
-    if path.is_dir() and (path / "stop_signal").is_file():
-        stop_signal = (path / "stop_signal").read_text(errors="replace").strip()
+    if path.is_dir() and (path / STOP_SIGNAL_FILE).is_file():
+        stop_signal = (path / STOP_SIGNAL_FILE).read_text(errors="replace").strip()
     alive = False if exit_code is not None else None
     facts = RunFacts(run_id=run_id, exit_code=exit_code, alive=alive, stop_signal=stop_signal)
     return events_text, log_text, truncated, facts

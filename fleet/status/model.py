@@ -62,7 +62,7 @@ from fleet.status.diagnose import (
     killed_diagnosis,
     resume_words,
 )
-from training.contract import BucketTable, find_bucket_table, parse_events
+from training.contract import EVENTS_FILE, BucketTable, find_bucket_table, parse_events
 
 
 class State(StrEnum):
@@ -520,7 +520,7 @@ def build_status(
     segments, live_since, resumed_from = _segments(events)
     notes: list[str] = []
     if parsed.skipped:
-        notes.append(f"{parsed.skipped} unreadable events.jsonl line(s) skipped")
+        notes.append(f"{parsed.skipped} unreadable {EVENTS_FILE} line(s) skipped")
 
     buckets = None
     load = None

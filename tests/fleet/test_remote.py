@@ -17,6 +17,7 @@ from testkit import framed
 from fleet import remote, runs
 from fleet.remote import Answer, parse_answers
 from fleet.status.fetch import fetch_argv, parse_fetch
+from training import contract
 
 PARTS = {
     "prelude.sh": ("limited", "emit", "section", "tail_section", "smi_section"),
@@ -53,12 +54,47 @@ def test_parts_are_included_and_never_copied() -> None:
         own = [h for helpers in PARTS.values() for h in helpers if defines(text, h)]
         assert own == [], f"{p.name} defines {own}: include the part ({remote.INCLUDE}<part>)"
         included = re.findall(rf"^{remote.INCLUDE}(\S+)$", text, re.M)
-        assert set(included) <= set(PARTS), included
+        assert set(included) <= {*PARTS, remote.CONTRACT}, included
         loaded = remote.script(p.name)
         assert remote.INCLUDE not in loaded
-        assert all(defines(loaded, h) for part in included for h in PARTS[part])
+        assert all(defines(loaded, h) for part in included for h in PARTS.get(part, ()))
     users = {p.name for p in scripts() if f"\n{remote.INCLUDE}prelude.sh\n" in p.read_text()}
     assert users == ANSWERING
+
+
+def test_a_script_that_names_the_contract_includes_it() -> None:
+    """A contract name unset under sh is an empty word (``"$run_dir/$PID_FILE"`` reads the run dir
+    itself), which neither shellcheck (upper case reads as the environment) nor dash would report:
+    every script, as loaded (its parts' uses included), assigns each contract name it uses."""
+    names = dict(line.split("=", 1) for line in contract.shell_assignments().splitlines())
+    assert names["PID_FILE"] == contract.PID_FILE and names["CHECKPOINT_GLOB"] == "'step-*.pt'"
+    users = set()
+    for p in [*scripts(), remote.path("run.sh")]:
+        loaded = remote.script(p.name)
+        used = set(re.findall(r"\$\{?!?([A-Z][A-Z0-9_]*)", loaded)) & set(names)
+        missing = [n for n in sorted(used) if not re.search(rf"^{n}=", loaded, re.M)]
+        assert missing == [], f"{p.name} uses {missing} without {remote.INCLUDE}{remote.CONTRACT}"
+        users |= {p.name} if used else set()
+    assert {
+        "run.sh",
+        "run_launch.sh",
+        "run_state.sh",
+        "run_stop.sh",
+        "runs_list.sh",
+        "status_fetch.sh",
+    } <= users
+
+
+def test_the_contract_part_runs_under_dash() -> None:
+    """The generated assignments are plain sh: dash reads every name back unchanged."""
+    dash = shutil.which("dash") or "sh"
+    names = [line.split("=", 1)[0] for line in contract.shell_assignments().splitlines()]
+    text = contract.shell_assignments() + "".join(f'printf "%s\\n" "${n}"\n' for n in names)
+    out = subprocess.run([dash, "-c", text], capture_output=True, text=True, check=True).stdout
+    expected = [
+        " ".join(contract.LAUNCH_FILES) if n == "LAUNCH_FILES" else getattr(contract, n) for n in names
+    ]
+    assert out.splitlines() == expected
 
 
 def test_no_script_frames_its_own_sections() -> None:

@@ -614,6 +614,12 @@ def test_runs_list_script_lists_and_prunes_old_runs_but_never_the_latest(tmp_pat
     assert [r.run_id for r in found] == [ids[0], ids[3], ids[4]]
 
 
+def _ship_wrapper(release: Path) -> None:
+    """remote/run.sh as a release holds it (the contract's names filled in by the deploy)."""
+    wrapper = release / "remote" / "run.sh"
+    wrapper.write_bytes(d.release_file("remote/run.sh", remote.path("run.sh")))
+
+
 def _wrapper(tmp_path: Path, name: str, script: str, restart_max: int) -> tuple[int, Path]:
     """Run the shipped run.sh (real bash) on a command; the restart policy as fleet sends it."""
     run_dir = tmp_path / name
@@ -625,11 +631,12 @@ def _wrapper(tmp_path: Path, name: str, script: str, restart_max: int) -> tuple[
     if not release.exists():
         (release / "remote").mkdir(parents=True)
         shutil.copy(remote.path("run_cause.py"), release / "remote")
+        _ship_wrapper(release)
         (release / "training").symlink_to(Path(training.__file__).parent)
     # The trainer's argv starts with the run's python, as in a real run (the wrapper's helpers use it).
     call_sh = f"import subprocess, sys; sys.exit(subprocess.call(['sh', '-c', {script!r}]))"
     trainer = [sys.executable, "-c", call_sh]
-    argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(release), *trainer]
+    argv = ["bash", str(release / "remote" / "run.sh"), str(run_dir), str(release), *trainer]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60).returncode, run_dir
 
 
@@ -736,13 +743,23 @@ def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Pa
         run_dir = tmp_path / name
         (run_dir / "remote").mkdir(parents=True)
         shutil.copy(remote.path("run_notify.py"), run_dir / "remote" / "run_notify.py")
+        _ship_wrapper(run_dir)
+        (run_dir / "training").symlink_to(Path(training.__file__).parent)  # the notifier imports it
         spec = TargetSpec(
             name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max),
             notify=notify, stall_window_s=stall_s,
         )  # fmt: skip
         env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
         (run_dir / "run.env").write_bytes(runs.env_file_text(env))
-        argv = ["bash", str(remote.path("run.sh")), str(run_dir), str(run_dir), sys.executable, "-c", script]
+        argv = [
+            "bash",
+            str(run_dir / "remote" / "run.sh"),
+            str(run_dir),
+            str(run_dir),
+            sys.executable,
+            "-c",
+            script,
+        ]
         subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         return run_dir
 

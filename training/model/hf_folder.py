@@ -26,7 +26,7 @@ def read_export(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     folder = folder.expanduser()
     cfg_path, weights_path = folder / HF_CONFIG_FILE, folder / WEIGHTS
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise ConfigError(f"{folder} is not an exported drafter (needs config.json and {WEIGHTS})")
+        raise ConfigError(f"{folder} is not an exported drafter (needs {HF_CONFIG_FILE} and {WEIGHTS})")
     body = json.loads(cfg_path.read_text(encoding="utf-8"))
     if ARCHITECTURE not in body.get("architectures", []):
         raise ConfigError(f"{cfg_path}: architectures is not [{ARCHITECTURE!r}]")

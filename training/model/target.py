@@ -81,7 +81,7 @@ def load_target(path: str | Path, device: torch.device | str, dtype: torch.dtype
     if not folder.is_dir():
         raise ConfigError(f"model folder {folder} does not exist: set model.path to a local HF model folder")
     if not (folder / HF_CONFIG_FILE).is_file():
-        raise ConfigError(f"model folder {folder} has no config.json: not a Hugging Face model folder")
+        raise ConfigError(f"model folder {folder} has no {HF_CONFIG_FILE}: not a Hugging Face model folder")
     device = torch.device(device)
     dtype = dtype or resolve_dtype("auto", device)
     # Straight onto the device when `accelerate` is there; else load on CPU and move.
@@ -157,7 +157,9 @@ def model_source(config: RunConfig) -> tuple[str, str]:
         return "", str(build_tiny_model(ModelSection(), cache_dir, STAND_IN_TOKENIZER_FILES))
     folder = Path(config.model.path).expanduser()
     if not (folder / HF_CONFIG_FILE).is_file():
-        what = "does not exist" if not folder.exists() else "has no config.json (not an HF model folder)"
+        what = (
+            "does not exist" if not folder.exists() else f"has no {HF_CONFIG_FILE} (not an HF model folder)"
+        )
         raise ConfigError(f"model.path {folder} {what}: point model.path at a local model folder")
     return str(folder), config.model.tokenizer_path or str(folder)
 
