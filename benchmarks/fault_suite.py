@@ -3,7 +3,7 @@ pct shim -> LXC container 200, /bin/sh = dash there) with the selftest run, then
 
     fault | runs/checkpoints lost | secrets seen | tracebacks shown | wrong cause
 
-    .venv/bin/python benchmarks/fault_suite.py [--only NAME,...] [--markdown]
+    .venv/bin/python benchmarks/fault_suite.py [--only NAME,...] [--skip NAME,...]
 
 Needs tests/hosts/setup to have run. Every run carries a secret in run.env, and the notifier a
 token in its URL and a header; "secrets seen" counts each of them found in `ps` of the host
@@ -878,18 +878,31 @@ def corrupt_env_state(s: Suite) -> Outcome:
     manifest = f"{envs}/smoke/current/fleet-env/manifest.json"
     s.ct("cp", "--", manifest, f"{manifest}.orig")
     junk_file = 'rm -f "$1" && printf "junk\\n\\001" > "$1"'
-    cases: list[tuple[str, tuple[str, ...]]] = [
-        ("envs/smoke/current dangles", ("ln", "-sfn", "../smoke-0000000000000000", f"{envs}/smoke/current")),
-        ("envs/smoke/current is a junk file", ("sh", "-c", junk_file, "x", f"{envs}/smoke/current")),
-        ("the build lock holds junk", ("sh", "-c", junk_file, "x", f"{envs}/.build-smoke.lock")),
-        ("the build's manifest.json is junk", ("sh", "-c", junk_file, "x", manifest)),
+    # Each damage, and what env-check's line must name when it refuses ("" = it may not refuse).
+    cases: list[tuple[str, tuple[str, ...], str]] = [
+        (
+            "envs/smoke/current dangles",
+            ("ln", "-sfn", "../smoke-0000000000000000", f"{envs}/smoke/current"),
+            "smoke/current",
+        ),
+        (
+            "envs/smoke/current is a junk file",
+            ("sh", "-c", junk_file, "x", f"{envs}/smoke/current"),
+            "smoke/current",
+        ),
+        ("the build lock holds junk", ("sh", "-c", junk_file, "x", f"{envs}/.build-smoke.lock"), ""),
+        ("the build's manifest.json is junk", ("sh", "-c", junk_file, "x", manifest), "manifest"),
     ]
     wrong = 0
     notes = []
-    for name, damage in cases:
+    for name, damage, cause in cases:
         s.ct(*damage)
         answers = [s.fab("env-check"), s.fab("status", "--json"), s.fab("deploy", timeout=600)]
         wrong += sum(untold(r) for r in answers)
+        said = " ".join(fleet_lines(answers[0]))
+        wrong += int(
+            answers[0].returncode != 0 and (not cause or cause not in said or "does not run" in said)
+        )
         fixed = "deploy"
         if answers[-1].returncode != 0 or not env_works(s) or s.fab("env-check").returncode != 0:
             fixed = "env-rebuild"
@@ -1104,7 +1117,9 @@ def deploy_under_live_run(s: Suite) -> Outcome:
         time.sleep(1.1)
         codes.append(s.fab("deploy").returncode)
     still = s.trainers(run_dir)
-    same = bool(still) and os.readlink(f"/proc/{still[0]}/cwd") == cwd and Path(cwd).is_dir()
+    # /proc/PID/cwd reads as the container sees it: the release is checked in there.
+    same = bool(still) and os.readlink(f"/proc/{still[0]}/cwd") == cwd
+    same = same and "/releases/" in cwd and s.ct("test", "-f", f"{cwd}/MANIFEST.json").returncode == 0
     st = s.status()
     wrong = int(codes != [0, 0, 0] or not same or st.get("state") != "training" or st.get("run_id") != run_id)
     return int(run_id not in s.runs()), wrong, f"deploys {codes}; the run kept its release: {same}"
@@ -1362,6 +1377,7 @@ def secrets_in_files(s: Suite, since: float) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated scenario names (substrings)")
+    parser.add_argument("--skip", default="", help="comma-separated scenario names (substrings) not to run")
     parser.add_argument("--tmp", default="/tmp")
     args = parser.parse_args()
     hosts = _host_problem()
@@ -1376,10 +1392,11 @@ def main() -> int:
     sampler.start()
     rows: list[Row] = []
     wanted = [w for w in args.only.split(",") if w]
+    skipped = [w for w in args.skip.split(",") if w]
     t0 = time.time()
     try:
         for name, scenario in SCENARIOS.items():
-            if wanted and not any(w in name for w in wanted):
+            if (wanted and not any(w in name for w in wanted)) or any(w in name for w in skipped):
                 continue
             before, ps_before = len(suite.outputs), len(suite.ps_lines)
             started = time.time()
