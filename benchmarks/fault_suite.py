@@ -1,7 +1,10 @@
 """Fault suite: faults and bad inputs replayed through the real `fab` against the test host (SSH ->
 pct shim -> LXC container 200, /bin/sh = dash there) with the selftest run, then one table:
 
-    fault | runs/checkpoints lost | secrets seen | tracebacks shown | wrong cause
+    fault | faults | runs/checkpoints lost | secrets seen | tracebacks shown | wrong cause
+
+A row is one scenario; "faults" is how many distinct fault cases it tried (a row that damages five
+state files one after the other tries five), and the total counts faults, not rows.
 
     .venv/bin/python benchmarks/fault_suite.py [--only NAME,...] [--skip NAME,...]
 
