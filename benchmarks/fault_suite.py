@@ -1287,6 +1287,57 @@ def notify_command_metachars(s: Suite) -> Outcome:
     )
 
 
+def stop_in_eval(s: Suite) -> Outcome:
+    """`fab stop` (SIGTERM) while the real trainer evaluates after its last step: `stopped`, the
+    step's checkpoint kept, and the note says a resume starts from it."""
+    tiny(
+        s,
+        "--train.steps=2",
+        "--checkpoint.every=0",
+        "--eval.num_prompts=8",
+        "--eval.max_new_tokens=400",
+        "--data.eval_prompts=8",
+    )
+    s.fab("deploy", "train", "--no-warm", timeout=1800)
+    run_dir = f"{s.workdir}/runs/{s.latest()}"
+    seen = s.wait(lambda: s.status().get("state") == "evaluating", 1200)
+    stop = s.fab("stop", timeout=300)
+    st = final_state(s, 300)
+    notes = " ".join(st.get("notes") or [])
+    kept = saved_steps(s, run_dir)
+    wrong = int(not seen or stop.returncode != 0 or st.get("state") != "stopped")
+    wrong += int("stopped during eval" not in notes)
+    return (
+        int(2 not in kept),
+        wrong,
+        f"{'in the eval' if seen else 'eval not seen'}; {st.get('state')}, kept {kept}",
+    )
+
+
+def stop_in_data_phase(s: Suite) -> Outcome:
+    """`fab stop` while the real trainer regenerates its data (no step yet): `stopped`, the run dir
+    kept, and the note says a resume starts over (there is no checkpoint to lose)."""
+    tiny(s, "--data.regenerate=true", "--data.regen_prompts=600", "--data.regen_batch_size=2")
+    s.fab("deploy", "train", "--no-warm", timeout=1800)
+    run_id = s.latest()
+
+    def regenerating() -> bool:
+        st = s.status()
+        return st.get("phase") == "load_data" and bool((st.get("progress") or {}).get("done"))
+
+    seen = s.wait(regenerating, 1200)
+    stop = s.fab("stop", timeout=300)
+    st = final_state(s, 300)
+    notes = " ".join(st.get("notes") or [])
+    wrong = int(not seen or stop.returncode != 0 or st.get("state") != "stopped")
+    wrong += int("stopped during load_data" not in notes)
+    return (
+        int(run_id not in s.runs()),
+        wrong,
+        f"{'mid-regeneration' if seen else 'not seen'}; {st.get('state')}",
+    )
+
+
 SCENARIOS: dict[str, Callable[[Suite], Outcome]] = {
     "notify url with a control character": notify_bad_url,
     "notify header outside latin-1": notify_bad_header,
@@ -1334,6 +1385,8 @@ SCENARIOS: dict[str, Callable[[Suite], Outcome]] = {
     "run env name invalid": bad_env_name,
     "override with newlines and $()": override_with_newline,
     "notify command with shell metacharacters": notify_command_metachars,
+    "SIGTERM (`fab stop`) in the trainer's eval": stop_in_eval,
+    "SIGTERM (`fab stop`) in the trainer's data phase (regeneration)": stop_in_data_phase,
 }
 PENDING: dict[str, str] = {}
 # What goes between scenarios: runs/ and every env but the torch one (thousands of files, reused).
