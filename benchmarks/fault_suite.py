@@ -767,9 +767,15 @@ def disk_full_at_checkpoint(s: Suite) -> Outcome:
         saved = ct_saved(run_dir)
         if len(saved) < 2:
             return 0, 1, f"the run ended with checkpoints {sorted(saved)}: {s.status().get('state')}"
-        free = s.ct("df", "-B1", "--output=avail", runs).stdout.split()[-1]
         filler = f"{runs}/.filler"
-        s.ct("fallocate", "-l", str(max(int(free) - max(saved.values()) // 2, 0)), filler)
+        for _ in range(10):
+            # A checkpoint written between the df and the fallocate makes the filler too big to
+            # fit, and the disk never fills: measure again and retry.
+            free = s.ct("df", "-B1", "--output=avail", runs).stdout.split()[-1]
+            size = str(max(int(free) - max(saved.values()) // 2, 0))
+            if s.ct("fallocate", "-l", size, filler).returncode == 0:
+                break
+            s.ct("rm", "-f", "--", filler)
         st = final_state(s, 600)
         diag = " ".join(str(d.get("cause", "")) for d in st.get("diagnosis") or [])
         wrong = int(st.get("state") != "failed" or "no space left" not in diag.lower())
