@@ -42,6 +42,7 @@ from testkit import FAB, _host_problem, ct200_target, kill_processes_naming, ren
 LONG_RUN = ["--selftest.steps=100000", "--selftest.step_seconds=0.2"]
 SHORT_RUN = ["--selftest.steps=6", "--selftest.step_seconds=0.05"]
 FINAL = ("finished", "stopped", "failed")
+TRACEBACK = "Traceback (most recent call last)"
 # What a scenario returns: runs/checkpoints lost, answers naming the wrong cause, a note, and (when
 # it tries several distinct faults) how many; the table counts faults, not scenarios.
 Outcome = tuple[int, int, str] | tuple[int, int, str, int]
@@ -121,6 +122,9 @@ class Suite:
             check=False,
         )
         self.outputs.append(res.stdout + res.stderr)
+        if TRACEBACK in res.stdout + res.stderr:  # kept whole: the table only counts them
+            with (self.tmp / "tracebacks.txt").open("a", encoding="utf-8") as fh:
+                fh.write(f"$ fab {' '.join(args)}\n{res.stdout}{res.stderr}\n")
         return res
 
     def fab_at_once(self, *args: str, times: int = 3, timeout: float = 180) -> list[tuple[int, str]]:
@@ -1474,7 +1478,7 @@ def main() -> int:
                     faults=count[0] if count else 1,
                     lost=lost,
                     wrong=wrong,
-                    tracebacks=sum("Traceback (most recent call last)" in o for o in outs),
+                    tracebacks=sum(TRACEBACK in o for o in outs),
                     secrets=sum(any(x in o for x in suite.secrets) for o in outs)
                     + len(suite.ps_lines)
                     - ps_before,
