@@ -668,6 +668,11 @@ def _check_data(target: Target, name: str, full: bool) -> dict[str, Any] | None:
     """The probe's ``check`` output for the current env; None when there is no built env."""
     current = target.spec.layout.env_current(name)
     res = _probe(target, current, "check", current, *(["--full"] if full else []))
+    damaged = _probe_error(res) if res.exit_code == 2 else ""
+    if "is not JSON" in damaged:
+        # The build is there but its record is junk: name the record, not the env, as the cause.
+        why = damaged.removeprefix("ValueError: ")
+        raise EnvError(f"{target.name}: the env at {current}: {why}; run `fab env-rebuild`")
     if res.exit_code in (126, 127) or (res.exit_code == 2 and "manifest.json" in res.stdout):
         return None
     if res.exit_code != 0:
@@ -676,6 +681,15 @@ def _check_data(target: Target, name: str, full: bool) -> dict[str, Any] | None:
             "run `fab env-rebuild`"
         )
     return _loads(target, res, "check")
+
+
+def _probe_error(res: CommandResult) -> str:
+    """The ``error`` of the probe's ``{"ok": false, ...}`` answer; "" when it gave none."""
+    try:
+        data = json.loads(res.stdout)
+    except ValueError:
+        return ""
+    return str(data.get("error", "")) if isinstance(data, dict) else ""
 
 
 def _report(target: Target, name: str, env_def: EnvDef, data: dict[str, Any], full: bool) -> DriftReport:

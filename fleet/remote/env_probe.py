@@ -314,10 +314,24 @@ def finalize(staging: Path, final_base: Path, name: str, manifest: dict[str, Any
     return {"path": str(final), "previous": previous, "manifest": manifest}
 
 
+def read_manifest(env_dir: Path) -> dict[str, Any]:
+    """The build's manifest. A missing one propagates as OSError (no build there); a damaged one
+    is named as such: the env itself may run fine, and "does not run" would send the user astray."""
+    path = env_dir / DEF_DIR / "manifest.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        manifest = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"its manifest {path} is not JSON ({err})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"its manifest {path} is not JSON of a build (not an object)")
+    return manifest
+
+
 def rollback(env_dir: Path, name: str) -> dict[str, Any]:
     """Make ``env_dir`` (a build, or the ``previous`` link; run by its own python) current for ``name``."""
     real = Path(os.path.realpath(env_dir))
-    manifest = json.loads((real / DEF_DIR / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(real)
     if not manifest.get("verified"):
         raise ValueError(f"{real} was never verified")
     old = make_current(real.parent, name, real.name)
@@ -326,7 +340,7 @@ def rollback(env_dir: Path, name: str) -> dict[str, Any]:
 
 def check(env_dir: Path, full: bool) -> dict[str, Any]:
     """Everything ``fab env-check`` needs, in one round trip: manifest, dists, ``uv sync --check``."""
-    manifest = json.loads((env_dir / DEF_DIR / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(env_dir)
     since = None if full else float(manifest.get("synced_at", 0))
     uv_bin = str(manifest.get("uv") or "uv")
     argv = [uv_bin, "sync", "--locked", "--check", "--no-install-project", "--offline"]

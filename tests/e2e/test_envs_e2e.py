@@ -159,3 +159,23 @@ def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet) ->
     # The lock went with the deploys: a fourth one takes it at once.
     again = ok(fleet.fab("deploy"))
     assert "another deploy is building" not in again.stdout + again.stderr
+
+
+def test_junk_env_manifest_is_named_not_called_a_broken_env(remote_fleet: RemoteFleet) -> None:
+    """A build whose fleet-env/manifest.json is junk still runs: env-check and deploy name the
+    manifest as the cause (one line, exit 6) and `fab env-rebuild` repairs it."""
+    fleet, hosts = remote_fleet, remote_fleet.hosts
+    envs_dir = f"{fleet.workdir}/envs"
+    fleet.write(env="smoke")
+    ok(fleet.fab("deploy", timeout=600))
+    manifest = f"{envs_dir}/smoke/current/fleet-env/manifest.json"
+    ct(hosts, "sh", "-c", 'printf "{not json" > "$1"', "x", manifest)
+    for args in (("env-check",), ("deploy",)):
+        res = fleet.fab(*args, timeout=600)
+        assert res.returncode == 6, res.stdout + res.stderr
+        line = error_line(res)
+        assert "manifest" in line and "not JSON" in line and "does not run" not in line, line
+        assert "env-rebuild" in line, line
+    ok(fleet.fab("env-rebuild", timeout=600))
+    ok(fleet.fab("env-check"))
+    assert imports(hosts, envs_dir) == 0
