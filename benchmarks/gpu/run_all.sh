@@ -5,7 +5,8 @@
 # multinode, smol and the hybrid steps). multinode: the 1+1 as a 2-node torchrun job on one machine (after topology, to
 # compare). smol: smol-h200 on one GPU (wheels: benchmarks/gpu/wheels.sh --smol). The hybrid target (qwen3.6-27b-random)
 # needs fla-core from benchmarks/gpu/wheels.sh; its
-# steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_train (two GPUs), hybrid_plan.
+# steps, each under 10 minutes: target (one GPU), hybrid_warm, hybrid_second (after hybrid_warm: a second local
+# target from the controller's artefact), hybrid_train (two GPUs), hybrid_plan.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
