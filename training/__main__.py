@@ -12,19 +12,23 @@
 
 Exit 0 when finished or stopped by SIGTERM (checkpointed). A user error (bad config or
 override, missing model or data folder) is one line on stderr, an ``error`` event, exit 2,
-no traceback. Any other failure writes an ``error`` event and re-raises (traceback, exit 1).
+no traceback. A full disk (ENOSPC / EDQUOT anywhere in the failure's chain) is the machine's
+state, not a bug: one line naming it and where, an ``error`` event, exit 1, no traceback (the
+traceback would land, cut short, in a log on that same full disk). Any other failure writes an
+``error`` event and re-raises (traceback, exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
 
 from training.config import TrainingError
 from training.contract import COMPILE_CACHE_ENV
-from training.events import EventWriter
+from training.events import EventWriter, first_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -268,10 +272,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BaseException as exc:
-        if not isinstance(exc, SystemExit | KeyboardInterrupt):
-            _record_error(run_dir, exc)
-        raise
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            raise
+        _record_error(run_dir, exc)
+        full = disk_full(exc)
+        if full is None:
+            raise
+        print(
+            f"error: {full}; free space there, then `fab train` resumes from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """'the disk is full (No space left on device) writing PATH' when ``exc``, or an exception it was
+    raised from or during, is a full disk or quota; None otherwise. Libraries wrap the OSError
+    (torch's checkpoint writer raises a RuntimeError whose text carries it), so the text counts too."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+            where = f" writing '{current.filename}'" if current.filename else ""
+            return f"the disk is full ({os.strerror(current.errno)}){where}"
+        text = str(current)
+        for code in _DISK_FULL:
+            if os.strerror(code) in text:
+                return f"the disk is full ({os.strerror(code)}): {first_line(current)[:300]}"
+        todo += [current.__cause__, current.__context__]
+    return None
 
 
 def _config_topology(config_name: str, overrides: list[str]) -> str:
