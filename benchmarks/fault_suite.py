@@ -127,19 +127,20 @@ class Suite:
                 fh.write(f"$ fab {' '.join(args)}\n{res.stdout}{res.stderr}\n")
         return res
 
+    def fab_popen(self, *args: str) -> subprocess.Popen[str]:
+        """`fab ARGS` started, its output piped (the caller waits, signals or kills it)."""
+        return subprocess.Popen(
+            [str(FAB), *args],
+            cwd=REPO,
+            env=self.fab_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
     def fab_at_once(self, *args: str, times: int = 3, timeout: float = 180) -> list[tuple[int, str]]:
         """``times`` `fab ARGS` started together; each one's exit code and output, in start order."""
-        procs = [
-            subprocess.Popen(
-                [str(FAB), *args],
-                cwd=REPO,
-                env=self.fab_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(times)
-        ]
+        procs = [self.fab_popen(*args) for _ in range(times)]
         done = []
         for p in procs:
             out, err = p.communicate(timeout=timeout)
@@ -852,14 +853,7 @@ def processes_naming(text: str) -> list[int]:
 
 def kill_fab_when(s: Suite, args: tuple[str, ...], ready: Callable[[], bool], timeout: float = 300) -> bool:
     """`fab ARGS`, killed with SIGKILL as soon as ``ready()``; whether it was still running then."""
-    proc = subprocess.Popen(
-        [str(FAB), *args],
-        cwd=REPO,
-        env=s.fab_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = s.fab_popen(*args)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None and not ready():
         time.sleep(0.005)
@@ -1143,17 +1137,7 @@ def stop_and_train_at_once(s: Suite) -> Outcome:
     s.fab("deploy", "train", "--no-warm")
     run_id = s.latest()
     s.wait(lambda: bool(s.trainers(f"{s.workdir}/runs/{run_id}")))
-    procs = {
-        args[0]: subprocess.Popen(
-            [str(FAB), *args],
-            cwd=REPO,
-            env=s.fab_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in (("stop",), ("train", "--no-warm"))
-    }
+    procs = {args[0]: s.fab_popen(*args) for args in (("stop",), ("train", "--no-warm"))}
     codes = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=180)

@@ -4,9 +4,12 @@ dash is read by the one parser - a log line that looks like a header included.""
 
 from __future__ import annotations
 
+import base64
+import io
 import re
 import shutil
 import subprocess
+import tarfile
 import threading
 from pathlib import Path
 
@@ -275,3 +278,38 @@ def test_a_script_answers_the_same_under_dash_and_bash(name: str, tmp_path: Path
         shell: {k: a.output for k, a in got.items() if a.exit_code != 127} for shell, got in answers.items()
     }
     assert texts["dash"] == texts["bash"]
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_compile_pack_and_put_move_the_optional_file_or_take_an_old_one_away(
+    shell: str, tmp_path: Path
+) -> None:
+    """compile_pack.sh keeps the optional files that exist (the manifest last); compile_put.sh moves
+    them in, or removes one the new artefact lacks: under dash (targets' /bin/sh) and bash."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} missing")
+    names = ("megacache.bin", "manifest.json", "autotune.tar")
+
+    def run(script: str, root: Path, stdin: bytes = b"") -> bytes:
+        argv = remote.sh(script, str(root), "k", *names)
+        return subprocess.run(
+            [shell, *argv[1:]], input=stdin, capture_output=True, timeout=60, check=True
+        ).stdout
+
+    src = tmp_path / "a"
+    (src / "k").mkdir(parents=True)
+    for name in names:
+        (src / "k" / name).write_text(name)
+    tar = base64.b64decode(run("compile_pack.sh", src))
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        assert archive.getnames() == ["megacache.bin", "autotune.tar", "manifest.json"]
+    dest = tmp_path / "b"
+    run("compile_put.sh", dest, tar)
+    assert sorted(p.name for p in (dest / "k").iterdir()) == sorted(names)
+    (src / "k" / "autotune.tar").unlink()
+    tar = base64.b64decode(run("compile_pack.sh", src))
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        assert archive.getnames() == ["megacache.bin", "manifest.json"]
+    run("compile_put.sh", dest, tar)
+    assert sorted(p.name for p in (dest / "k").iterdir()) == ["manifest.json", "megacache.bin"]
+    assert not [p for p in dest.iterdir() if p.name.startswith(".incoming")]
