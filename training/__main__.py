@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=int, default=0, help="default: the config's eval.max_new_tokens"
     )
     bench.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all cores)")
+    bench.add_argument(
+        "--engine-args",
+        default="",
+        metavar="FLAGS",
+        help="more llama-server flags for every setting, one string (e.g. '-bs')",
+    )
     warm = sub.add_parser(
         "warm", help="compile every shape of a config into a compile cache (training.run.warm)"
     )
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve-bench":
             if extra:
                 raise_usage(f"unexpected argument {extra[0]!r}: see python -m training serve-bench --help")
-            from training.engines.serve_bench import parse_lengths, serve_bench
+            from training.engines.serve_bench import parse_engine_args, parse_lengths, serve_bench
 
             run_dir = None  # a failed benchmark is not the run's error: no error event, phase kept
             serve_bench(
@@ -259,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_prompts=args.prompts,
                 max_new_tokens=args.max_new_tokens,
                 threads=args.threads,
+                engine_args=parse_engine_args(args.engine_args),
             )
         else:
             if extra:

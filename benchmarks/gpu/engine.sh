@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu/engine.sh stage DIR...   copy carried files (sdist, wheel parts) into $STAGE
 #   bash benchmarks/gpu/engine.sh build          start the CUDA build in the background (log: $STAGE/build.log)
 #   bash benchmarks/gpu/engine.sh train          install the wheels, start smol-h200 in the background
-#   bash benchmarks/gpu/engine.sh bench [WAIT_S] wait for both (at most WAIT_S), then serve-bench; results in $OUT
+#   bash benchmarks/gpu/engine.sh bench [WAIT_S] wait for both (at most WAIT_S), then serve-bench once per
+#                                                BENCH_VARIANTS entry (';'-separated llama-server flags); results in $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -46,9 +47,16 @@ bench() {
         sleep 10
     done
     grep -E "step +[0-9]+ |done:|built" "$STAGE/train.log" "$STAGE/build.log" | tail -8
-    python3 -m training serve-bench --run-dir "$RUN" --prompts "${BENCH_PROMPTS:-16}" \
-        --draft-lengths "${BENCH_DRAFTS:-1,3,5,7,11,15}" 2>&1 | tee "$OUT/serve-bench.log"
-    cp "$RUN/serve-bench.json" "$RUN/events.jsonl" "$OUT/" 2>/dev/null
+    # one serve-bench per entry of BENCH_VARIANTS (';'-separated llama-server flags; "" = serve-bench's own)
+    local i=0 variant
+    IFS=';' read -r -a variants <<< "${BENCH_VARIANTS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
+    for variant in "${variants[@]}"; do
+        i=$((i + 1))
+        python3 -m training serve-bench --run-dir "$RUN" --prompts "${BENCH_PROMPTS:-16}" \
+            --draft-lengths "${BENCH_DRAFTS:-1,3,5,7,11,15}" --engine-args="$variant" 2>&1 | tee "$OUT/serve-bench-$i.log"
+        cp "$RUN/serve-bench.json" "$OUT/serve-bench-$i.json" 2>/dev/null
+    done
+    cp "$RUN/events.jsonl" "$OUT/" 2>/dev/null
     cp "$STAGE/llama-cache"/*/build.json "$OUT/llama-build.json" 2>/dev/null
     tail -c 200000 "$STAGE/train.log" > "$OUT/train.log"
 }

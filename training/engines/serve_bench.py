@@ -1,6 +1,7 @@
 """``python -m training serve-bench``: the trained drafter in llama.cpp, against the target alone.
 
     python -m training serve-bench --run-dir D [--draft-lengths 3,7] [--prompts N] [--max-new-tokens N]
+        [--engine-args "-bs ..."]
 
 On the run's held-out prompts (the eval's: ``TrainData.eval_prompts``, same count, length and
 order), greedy, with the newest checkpoint:
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,7 @@ class ServeBench:
     drafter_gguf: str
     target_gguf: str
     seconds: float
+    engine_args: tuple[str, ...] = ()  # llama-server flags beyond serve-bench's own, every setting
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,12 +103,14 @@ class ServeBench:
             "project_tau": self.project_tau,
             "agreement": self.agreement,
             "all_identical": self.all_identical,
+            "engine_args": list(self.engine_args),
         }
 
     def text(self) -> str:
         lines = [
             f"serve-bench step {self.step}: {self.prompts} held-out prompts x <= {self.max_new_tokens} "
-            f"tokens, greedy, llama.cpp {self.backend} ({self.threads} threads)",
+            f"tokens, greedy, llama.cpp {self.backend} ({self.threads} threads)"
+            + (f", llama-server {shlex.join(self.engine_args)}" if self.engine_args else ""),
             f"{'draft':>5} {'tok/s':>8} {'speedup':>8} {'accepted/drafted':>17} {'per round':>9} identical",
         ]
         for r in self.rows:
@@ -136,6 +142,7 @@ def summarize(
     drafter_gguf: Path,
     target_gguf: Path,
     seconds: float,
+    engine_args: Sequence[str] = (),
 ) -> ServeBench:
     """The table from the engine runs (``runs[0]``: the target alone). Pure: tested on its own."""
     alone = runs[0]
@@ -184,6 +191,7 @@ def summarize(
         drafter_gguf=str(drafter_gguf),
         target_gguf=str(target_gguf),
         seconds=round(seconds, 1),
+        engine_args=tuple(engine_args),
     )
 
 
@@ -200,6 +208,18 @@ def parse_lengths(text: str) -> list[int] | None:
         return sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise ConfigError(f"--draft-lengths {text!r}: expected numbers like 3,7") from None
+
+
+def parse_engine_args(text: str) -> tuple[str, ...]:
+    """``"-bs --foo 1"`` -> its flags (shell words); the port, models and draft flags are serve-bench's."""
+    try:
+        words = tuple(shlex.split(text))
+    except ValueError as exc:
+        raise ConfigError(f"--engine-args {text!r}: {exc}") from None
+    own = {"-m", "--model", "-md", "--model-draft", "--port", "--host", "--spec-type", "--spec-draft-n-max"}
+    if taken := sorted(own.intersection(words)):
+        raise ConfigError(f"--engine-args: {', '.join(taken)} is set by serve-bench itself; leave it out")
+    return words
 
 
 def default_draft_lengths(block_size: int) -> list[int]:
@@ -227,6 +247,7 @@ def serve_bench(
     max_new_tokens: int = 0,
     threads: int = 0,
     build: LlamaBuild | None = None,
+    engine_args: Sequence[str] = (),
 ) -> ServeBench:
     """Measure (see the module docstring); prints the table, emits the event, writes the JSON."""
     import torch
@@ -281,6 +302,7 @@ def serve_bench(
                 run_dir / "logs",
                 threads=n_threads,
                 gpu_layers=gpu_layers,
+                extra=engine_args,
             )
             for n in [0, *lengths]
         ]
@@ -295,6 +317,7 @@ def serve_bench(
             drafter_gguf=pair.drafter,
             target_gguf=pair.target,
             seconds=time.monotonic() - t0,
+            engine_args=engine_args,
         )
         (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n")
         trainer.events.emit("serve_bench", **result.event_fields())

@@ -145,13 +145,15 @@ def server_argv(
     ctx: int,
     threads: int,
     gpu_layers: int,
+    extra: Sequence[str] = (),
 ) -> list[str]:
+    """The server's argv; ``extra``: more llama-server flags, the same for every setting of a bench."""
     argv = [str(build.binary("llama-server")), "-m", str(target), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-c", str(ctx), "-np", "1", "-t", str(threads), "-ngl", str(gpu_layers), "--metrics"]
     if drafter is not None and draft > 0:
         argv += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft)]
         argv += ["-ngld", str(gpu_layers), "-td", str(threads)]
-    return argv
+    return argv + list(extra)
 
 
 @contextlib.contextmanager
@@ -201,6 +203,7 @@ def run_setting(
     *,
     threads: int = 0,
     gpu_layers: int = 0,
+    extra: Sequence[str] = (),
 ) -> EngineRun:
     """All prompts through one fresh server (one warm-up completion first, not counted)."""
     longest = max(len(p) for p in prompts)
@@ -214,6 +217,7 @@ def run_setting(
         ctx=ctx,
         threads=threads or os.cpu_count() or 1,
         gpu_layers=gpu_layers,
+        extra=extra,
     )
     with llama_server(argv, log_dir / f"llama-server-draft{draft}.log") as server:
         server.complete(prompts[0], min(16, max_new_tokens))

@@ -27,7 +27,9 @@ A hybrid target (linear-attention layers, ``qwen3_5``) has Triton kernels of its
 fast path (flash-linear-attention): their first call compiles and autotunes them (~47 s on an
 H200 for the 27B shape). On a GPU the warm-up therefore also runs one target forward per
 shape on a cut of the target: its config with one layer of each kind (the first
-``full_attention_interval`` layers) and random weights. The kernels and their autotune keys
+``full_attention_interval`` layers) and random weights, in a process of its own started with the
+warm-up (``training.run.kernel_warmup``), so it runs beside the drafter's compile instead of after it.
+The kernels and their autotune keys
 depend on the layer shapes, the dtype and the batch shape only, not on the depth or the
 weights; their code and autotune results land in the key's ``triton/`` dir, which every target
 rank uses (``training.run.core.ready_target``).
@@ -81,6 +83,7 @@ from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
 from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
+from training.run.kernel_warmup import KernelWarmup
 
 if TYPE_CHECKING:
     from training.data.buckets import EpochPlanner
@@ -146,11 +149,13 @@ def target_config(config: RunConfig, folder: str) -> Any:
 def kernel_probe_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module | None:
     """The target cut to one layer of each kind (random weights, on ``device``) for warming its
     linear-attention kernels; None when it has no linear-attention layers."""
+    return cut_target(hf_config, device, dtype) if has_linear_attention(hf_config) else None
+
+
+def has_linear_attention(hf_config: Any) -> bool:
+    """Whether the target has linear-attention layers (Triton kernels of its own to warm)."""
     text = getattr(hf_config, "text_config", None) or hf_config
-    types = list(getattr(text, "layer_types", None) or [])
-    if "linear_attention" not in types:
-        return None
-    return cut_target(hf_config, device, dtype)
+    return "linear_attention" in list(getattr(text, "layer_types", None) or [])
 
 
 def cut_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -355,8 +360,7 @@ def run_warm(
     config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = _echo
 ) -> Manifest | None:
     """Warm ``root/<key>`` for ``config``; None when the config does not compile on this device."""
-    from training.data.buckets import format_bucket_table
-    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
+    from training.model.target import model_source, resolve_device, resolve_dtype
 
     started = time.monotonic()
     device = resolve_device(config.model.device)
@@ -386,13 +390,42 @@ def run_warm(
     if device.type == "cpu":
         attention.set_cpu_compile(True)
     folder, tok_dir = model_source(config)
-    tokenizer = load_tokenizer(tok_dir)
-    planner = load_train_data(config, tokenizer, root / ".data-cache").planner
-    echo(format_bucket_table(planner.table()))
+    hf_config = target_config(config, folder)
     dtype = resolve_dtype(config.model.dtype, device)
-    stand_in = StandInTarget(target_config(config, folder), device, dtype)
-    drafter = build_drafter(config, stand_in, device, tokenizer)
+    # The target's kernels warm in a process of their own, beside the drafter's compile below.
+    hybrid_gpu = device.type == "cuda" and has_linear_attention(hf_config)
+    kernels = KernelWarmup(config, hf_config, device, dtype) if hybrid_gpu else None
+    try:
+        return _warm(config, cache, digest, hf_config, tok_dir, kernels, device, dtype, started, echo)
+    finally:
+        if kernels is not None:
+            kernels.close()
+
+
+def _warm(
+    config: RunConfig,
+    cache: CacheDir,
+    digest: str,
+    hf_config: Any,
+    tok_dir: str,
+    kernels: KernelWarmup | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    started: float,
+    echo: Echo,
+) -> Manifest:
+    """``run_warm`` from the data on: the drafter's shapes, the target's, the artefact."""
+    from training.data.buckets import format_bucket_table
+    from training.model.target import load_tokenizer
+
+    tokenizer = load_tokenizer(tok_dir)
+    planner = load_train_data(config, tokenizer, cache.root / ".data-cache").planner
+    echo(format_bucket_table(planner.table()))
     shapes = compile_shapes(planner)
+    if kernels is not None:
+        kernels.send_shapes(shapes)
+    stand_in = StandInTarget(hf_config, device, dtype)
+    drafter = build_drafter(config, stand_in, device, tokenizer)
     limit = set_compile_guards(config, drafter, len(shapes))
     echo(
         f"warm: {len(shapes)} shapes x {len(drafter.variants())} mask variants, recompile_limit={limit} "
@@ -400,12 +433,10 @@ def run_warm(
     )
     done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
     target_fast_path, target_done, target_compiled = "n/a", [], False
-    hf_config = target_config(config, folder)
-    if device.type == "cuda" and (probe := kernel_probe_target(hf_config, device, dtype)) is not None:
-        warmed = warm_target_kernels(config, probe, shapes, device=device, echo=echo)
-        target_fast_path, target_done = warmed
-        del probe
-        torch.cuda.empty_cache()
+    if kernels is not None:
+        waited = time.monotonic()
+        target_fast_path, target_done = kernels.result(echo)
+        echo(f"warm: the target's kernels were ready {time.monotonic() - waited:.1f}s after the drafter's")
     elif config.compile.target:
         target_done = warm_compiled_target(config, hf_config, shapes, device=device, dtype=dtype, echo=echo)
         target_compiled = bool(target_done)

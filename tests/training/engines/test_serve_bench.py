@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError
-from training.engines.serve_bench import bench_lengths, default_draft_lengths, parse_lengths, summarize
-from training.engines.server import SPEC_COUNTERS, Completion, EngineRun, parse_metrics
+from training.engines.llamacpp import LlamaBuild
+from training.engines.serve_bench import (
+    bench_lengths,
+    default_draft_lengths,
+    parse_engine_args,
+    parse_lengths,
+    summarize,
+)
+from training.engines.server import SPEC_COUNTERS, Completion, EngineRun, parse_metrics, server_argv
 
 # The shape of llama-server's /metrics (tools/server/server-task.cpp: HELP, TYPE, then the value).
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
@@ -80,6 +87,31 @@ def test_draft_lengths() -> None:
     assert bench_lengths(None, 16) == [1, 3, 7, 15]
     with pytest.raises(ConfigError, match=r"each must be 1\.\.7"):
         bench_lengths([8], 8)
+
+
+def test_engine_args_reach_every_server_and_may_not_take_serve_bench_own_flags(tmp_path: Path) -> None:
+    extra = parse_engine_args("-bs  --spec-draft-p-min '0.5'")
+    assert extra == ("-bs", "--spec-draft-p-min", "0.5") and parse_engine_args("") == ()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").touch()
+    build = LlamaBuild(tmp_path, tmp_path / "bin", "11434.0.0", "0" * 64, cuda=True, key="k")
+    for drafter, draft in ((None, 0), (tmp_path / "d.gguf", 7)):
+        argv = server_argv(
+            build,
+            tmp_path / "t.gguf",
+            drafter,
+            draft,
+            port=1,
+            ctx=512,
+            threads=2,
+            gpu_layers=999,
+            extra=extra,
+        )
+        assert argv[-3:] == list(extra) and ("--spec-type" in argv) == bool(draft)
+    with pytest.raises(ConfigError, match=r"--port, -md is set by serve-bench"):
+        parse_engine_args("-md x.gguf --port 9")
+    with pytest.raises(ConfigError, match="--engine-args"):
+        parse_engine_args("-bs 'unclosed")
 
 
 def test_serve_bench_of_a_dir_without_a_run_is_one_line_and_writes_no_event(
