@@ -83,7 +83,7 @@ from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
 from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
-from training.run.kernel_warmup import KernelWarmup
+from training.run.kernel_warmup import KernelWarmup, KernelWarmupFailed
 
 if TYPE_CHECKING:
     from training.data.buckets import EpochPlanner
@@ -540,6 +540,9 @@ def warm_main(config_name: str, cache_dir: str, overrides: Sequence[str], *, if_
         run_warm(config, root, if_needed=if_needed)
     except WarmStepFailed as exc:
         traceback.print_exc()  # the whole story first; the one-line summary last (what fab shows)
+        print(exc, file=sys.stderr, flush=True)
+        return 1
+    except KernelWarmupFailed as exc:  # already one line: the child's error or how it ended
         print(exc, file=sys.stderr, flush=True)
         return 1
     sys.stdout.flush()

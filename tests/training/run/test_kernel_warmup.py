@@ -57,3 +57,17 @@ def test_a_killed_child_is_named_not_waited_for(tiny_cache: Path) -> None:
     warmup.send_shapes(SHAPES)
     with pytest.raises(KernelWarmupFailed, match=r"ended without a result \(exit code -9"):
         warmup.result(lambda line: None)
+
+
+def test_warm_main_ends_a_failed_kernel_warm_up_with_its_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training.run import warm
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise KernelWarmupFailed("warm: the target's kernel warm-up failed: ValueError: no")
+
+    monkeypatch.setattr(warm, "run_warm", fail)
+    assert warm.warm_main("tiny-cpu", str(tmp_path / "cache"), [], if_needed=False) == 1
+    err = capsys.readouterr().err
+    assert err == "warm: the target's kernel warm-up failed: ValueError: no\n"  # no traceback
