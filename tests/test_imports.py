@@ -35,7 +35,8 @@ TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
         "training.engines.server",
     ),
     ("training.model",),  # what is trained, against what
-    ("training.run.checkpoint", "training.run.pipeline", "training.run.eval"),
+    # kernel_warmup: the target cut to one layer of each kind, its kernels warmed in a child process
+    ("training.run.checkpoint", "training.run.pipeline", "training.run.eval", "training.run.kernel_warmup"),
     ("training.run.core",),  # what every driver runs
     ("training.run.warm", "training.run.resume_check"),  # what prepares or checks a run
     ("training.export",),

@@ -83,7 +83,15 @@ from training.model import attention
 from training.model.drafter import DFlashDrafter, sample_anchors
 from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
-from training.run.kernel_warmup import KernelWarmup, KernelWarmupFailed
+from training.run.kernel_warmup import (
+    KernelWarmup,
+    KernelWarmupFailed,
+    cut_target,
+    has_linear_attention,
+    kernel_probe_target,
+    run_target_shapes,
+    warm_target_kernels,
+)
 
 if TYPE_CHECKING:
     from training.data.buckets import EpochPlanner
@@ -146,62 +154,6 @@ def target_config(config: RunConfig, folder: str) -> Any:
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
-def kernel_probe_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module | None:
-    """The target cut to one layer of each kind (random weights, on ``device``) for warming its
-    linear-attention kernels; None when it has no linear-attention layers."""
-    return cut_target(hf_config, device, dtype) if has_linear_attention(hf_config) else None
-
-
-def has_linear_attention(hf_config: Any) -> bool:
-    """Whether the target has linear-attention layers (Triton kernels of its own to warm)."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    return "linear_attention" in list(getattr(text, "layer_types", None) or [])
-
-
-def cut_target(hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The target cut to its first layers up to one of each kind (one layer for a dense target),
-    random weights, on ``device``, frozen: the layer shapes, dtype and code of the real target, so
-    what it compiles or autotunes per batch shape is what the real target's forward uses."""
-    from transformers import AutoModelForCausalLM
-
-    text = getattr(hf_config, "text_config", None) or hf_config
-    types = list(getattr(text, "layer_types", None) or [])
-    depth = next((n for n in range(1, len(types) + 1) if set(types[:n]) == set(types)), 1)
-    cut_fields: dict[str, Any] = {"num_hidden_layers": depth}
-    if types:
-        cut_fields["layer_types"] = types[:depth]
-    cut = type(text).from_dict({**text.to_dict(), **cut_fields})
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cut, dtype=dtype)
-    model = model.to_empty(device=device)
-    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(0)
-        model.init_weights()
-    return model.eval().requires_grad_(False)
-
-
-def warm_target_kernels(
-    config: RunConfig,
-    probe: nn.Module,
-    shapes: Sequence[ShapeRecord],
-    *,
-    device: torch.device,
-    echo: Echo = _echo,
-) -> tuple[str, list[ShapeRecord]]:
-    """One forward of ``probe`` per shape when its delta rule runs a kernel: (fast path, shapes done).
-    With ``target.require_fast_path`` a GPU warm-up on the torch fallback stops here (one line),
-    as the run would."""
-    from training.model.kernels import linear_attention_kernels, require_fast_path
-
-    kernels = linear_attention_kernels(probe)
-    echo(f"warm: {kernels.line()}")
-    require_fast_path(kernels, device_type=device.type, required=config.target.require_fast_path, who="warm")
-    if kernels.fast_path != "yes":
-        echo("warm: the target's linear attention runs on the torch fallback: no kernels to warm")
-        return kernels.fast_path, []
-    return kernels.fast_path, run_target_shapes(probe, shapes, device=device, echo=echo)
-
-
 def warm_compiled_target(
     config: RunConfig,
     hf_config: Any,
@@ -225,41 +177,6 @@ def warm_compiled_target(
     del probe
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return done
-
-
-def run_target_shapes(
-    probe: nn.Module,
-    shapes: Sequence[ShapeRecord],
-    *,
-    device: torch.device,
-    echo: Echo = _echo,
-    what: str = "",
-) -> list[ShapeRecord]:
-    """One target forward (the trainer's ``target_forward``, every layer) per shape, random tokens;
-    the shapes with their seconds. ``what`` names the warm-up in the progress lines (default: the
-    linear-attention kernels)."""
-    from training.model.target import num_layers, target_forward
-
-    vocab = probe.get_input_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(0)
-    every_layer = list(range(num_layers(probe)))  # the deepest is the last: no early stop
-    done = []
-    for i, shape in enumerate(shapes, 1):
-        started = time.monotonic()
-        ids = torch.randint(0, vocab, (shape.batch_size, shape.length), generator=generator).to(device)
-        target_forward(probe, ids, every_layer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.monotonic() - started
-        done.append(ShapeRecord(shape.bucket, shape.batch_size, shape.length, round(seconds, 3)))
-        note = (
-            f"{what}, {format_counters(cache_counters())}"
-            if what
-            else "the linear-attention kernels compile and autotune at their first use"
-        )
-        where = f"[{i}/{len(shapes)}] batch {shape.batch_size} x {shape.length}"
-        echo(f"warm target {where}: {seconds:.1f}s ({note})")
     return done
 
 
