@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -43,7 +44,7 @@ from training.config import ConfigError, RunConfig
 Echo = Callable[[str], None]
 
 
-def _echo(line: str) -> None:
+def print_line(line: str) -> None:
     print(line, flush=True)
 
 
@@ -87,7 +88,7 @@ def warm_target_kernels(
     shapes: Sequence[ShapeRecord],
     *,
     device: torch.device,
-    echo: Echo = _echo,
+    echo: Echo = print_line,
 ) -> tuple[str, list[ShapeRecord]]:
     """One forward of ``probe`` per shape when its delta rule runs a kernel: (fast path, shapes done).
     With ``target.require_fast_path`` a GPU warm-up on the torch fallback stops here (one line),
@@ -108,7 +109,7 @@ def run_target_shapes(
     shapes: Sequence[ShapeRecord],
     *,
     device: torch.device,
-    echo: Echo = _echo,
+    echo: Echo = print_line,
     what: str = "",
 ) -> list[ShapeRecord]:
     """One target forward (the trainer's ``target_forward``, every layer) per shape, random tokens;
@@ -136,6 +137,18 @@ def run_target_shapes(
         where = f"[{i}/{len(shapes)}] batch {shape.batch_size} x {shape.length}"
         echo(f"warm target {where}: {seconds:.1f}s ({note})")
     return done
+
+
+_COMPILER_ERROR = re.compile(r"(?:^|[\s:])(?:fatal )?error\b", re.IGNORECASE)
+
+
+def error_summary(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc``, plus the first line of its message that reads like a
+    compiler error (``file:line:col: error: ...``) when that is not the first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    detail = next((line for line in lines[1:] if _COMPILER_ERROR.search(line)), "")
+    return f"{head}; compiler: {detail}" if detail else head
 
 
 class KernelWarmupFailed(RuntimeError):
@@ -169,10 +182,7 @@ def child_main() -> int:
     except ConfigError as exc:
         _send(out, {"error": "config", "text": str(exc)})
     except BaseException as exc:  # one line to the parent; the child exits either way
-        first = next((s.strip() for s in str(exc).splitlines() if s.strip()), "")
-        _send(
-            out, {"error": "other", "text": f"{type(exc).__name__}: {first}" if first else type(exc).__name__}
-        )
+        _send(out, {"error": "other", "text": error_summary(exc)})
     return 0
 
 
@@ -200,7 +210,7 @@ class KernelWarmup:
         try:
             self._proc.stdin.write(data)
             self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+        except OSError:
             pass  # the child is gone: ``result`` says why
 
     def send_shapes(self, shapes: Sequence[ShapeRecord]) -> None:
@@ -228,6 +238,12 @@ class KernelWarmup:
         finally:
             self.close()
 
+    def __enter__(self) -> KernelWarmup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop the child if it still runs (the parent failed first) and release its pipes."""
         if self._proc.poll() is None:
@@ -246,12 +262,15 @@ class KernelWarmup:
 
 
 __all__ = [
+    "Echo",
     "KernelWarmup",
     "KernelWarmupFailed",
     "child_main",
     "cut_target",
+    "error_summary",
     "has_linear_attention",
     "kernel_probe_target",
+    "print_line",
     "run_target_shapes",
     "warm_target_kernels",
 ]

@@ -48,14 +48,14 @@ thread starts) and then ``torch.compiler.set_stance("fail_on_recompile")``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
-import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,11 +84,14 @@ from training.model.drafter import DFlashDrafter, sample_anchors
 from training.progress import Progress
 from training.run.core import build_drafter, compiles, load_train_data, set_threads, train_forward
 from training.run.kernel_warmup import (
+    Echo,
     KernelWarmup,
     KernelWarmupFailed,
     cut_target,
+    error_summary,
     has_linear_attention,
     kernel_probe_target,
+    print_line,
     run_target_shapes,
     warm_target_kernels,
 )
@@ -96,12 +99,7 @@ from training.run.kernel_warmup import (
 if TYPE_CHECKING:
     from training.data.buckets import EpochPlanner
 
-Echo = Callable[[str], None]
 SHAPE_SECTIONS = ("model", "drafter", "data", "compile")  # what the compiled shapes depend on
-
-
-def _echo(line: str) -> None:
-    print(line, flush=True)
 
 
 def compile_shapes(planner: EpochPlanner) -> list[ShapeRecord]:
@@ -161,7 +159,7 @@ def warm_compiled_target(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    echo: Echo = _echo,
+    echo: Echo = print_line,
 ) -> list[ShapeRecord]:
     """The compiled target forward of every shape (``compile.target``), on a one-layer cut of the
     target: every layer runs the same compiled graph with its weights as inputs, so the graphs
@@ -217,18 +215,6 @@ class WarmStepFailed(RuntimeError):
         super().__init__(f"warm: failed at {where}: {error_summary(exc)}")
 
 
-_COMPILER_ERROR = re.compile(r"(?:^|[\s:])(?:fatal )?error\b", re.IGNORECASE)
-
-
-def error_summary(exc: BaseException) -> str:
-    """``Type: first line`` of ``exc``, plus the first line of its message that reads like a
-    compiler error (``file:line:col: error: ...``) when that is not the first line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    head = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    detail = next((line for line in lines[1:] if _COMPILER_ERROR.search(line)), "")
-    return f"{head}; compiler: {detail}" if detail else head
-
-
 def prewarm(
     drafter: DFlashDrafter,
     shapes: Sequence[ShapeRecord],
@@ -236,7 +222,7 @@ def prewarm(
     *,
     device: torch.device,
     hidden_dtype: torch.dtype,
-    echo: Echo = _echo,
+    echo: Echo = print_line,
 ) -> list[ShapeRecord]:
     """``warm_step`` every shape serially, printing one progress line each; shapes with seconds.
     The global RNG states are restored afterwards (a trainer's random stream is unchanged)."""
@@ -274,10 +260,11 @@ def set_compile_guards(config: RunConfig, drafter: DFlashDrafter, num_shapes: in
 
 
 def run_warm(
-    config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = _echo
+    config: RunConfig, root: Path, *, if_needed: bool = False, echo: Echo = print_line
 ) -> Manifest | None:
     """Warm ``root/<key>`` for ``config``; None when the config does not compile on this device."""
-    from training.model.target import model_source, resolve_device, resolve_dtype
+    from training.data.buckets import format_bucket_table
+    from training.model.target import load_tokenizer, model_source, resolve_device, resolve_dtype
 
     started = time.monotonic()
     device = resolve_device(config.model.device)
@@ -311,52 +298,34 @@ def run_warm(
     dtype = resolve_dtype(config.model.dtype, device)
     # The target's kernels warm in a process of their own, beside the drafter's compile below.
     hybrid_gpu = device.type == "cuda" and has_linear_attention(hf_config)
-    kernels = KernelWarmup(config, hf_config, device, dtype) if hybrid_gpu else None
-    try:
-        return _warm(config, cache, digest, hf_config, tok_dir, kernels, device, dtype, started, echo)
-    finally:
+    kernel_warmup = KernelWarmup(config, hf_config, device, dtype) if hybrid_gpu else contextlib.nullcontext()
+    with kernel_warmup as kernels:
+        tokenizer = load_tokenizer(tok_dir)
+        planner = load_train_data(config, tokenizer, cache.root / ".data-cache").planner
+        echo(format_bucket_table(planner.table()))
+        shapes = compile_shapes(planner)
         if kernels is not None:
-            kernels.close()
-
-
-def _warm(
-    config: RunConfig,
-    cache: CacheDir,
-    digest: str,
-    hf_config: Any,
-    tok_dir: str,
-    kernels: KernelWarmup | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    started: float,
-    echo: Echo,
-) -> Manifest:
-    """``run_warm`` from the data on: the drafter's shapes, the target's, the artefact."""
-    from training.data.buckets import format_bucket_table
-    from training.model.target import load_tokenizer
-
-    tokenizer = load_tokenizer(tok_dir)
-    planner = load_train_data(config, tokenizer, cache.root / ".data-cache").planner
-    echo(format_bucket_table(planner.table()))
-    shapes = compile_shapes(planner)
-    if kernels is not None:
-        kernels.send_shapes(shapes)
-    stand_in = StandInTarget(hf_config, device, dtype)
-    drafter = build_drafter(config, stand_in, device, tokenizer)
-    limit = set_compile_guards(config, drafter, len(shapes))
-    echo(
-        f"warm: {len(shapes)} shapes x {len(drafter.variants())} mask variants, recompile_limit={limit} "
-        f"(fail_on_recompile_limit_hit), setup {time.monotonic() - started:.1f}s"
-    )
-    done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
-    target_fast_path, target_done, target_compiled = "n/a", [], False
-    if kernels is not None:
-        waited = time.monotonic()
-        target_fast_path, target_done = kernels.result(echo)
-        echo(f"warm: the target's kernels were ready {time.monotonic() - waited:.1f}s after the drafter's")
-    elif config.compile.target:
-        target_done = warm_compiled_target(config, hf_config, shapes, device=device, dtype=dtype, echo=echo)
-        target_compiled = bool(target_done)
+            kernels.send_shapes(shapes)
+        stand_in = StandInTarget(hf_config, device, dtype)
+        drafter = build_drafter(config, stand_in, device, tokenizer)
+        limit = set_compile_guards(config, drafter, len(shapes))
+        echo(
+            f"warm: {len(shapes)} shapes x {len(drafter.variants())} mask variants, recompile_limit={limit} "
+            f"(fail_on_recompile_limit_hit), setup {time.monotonic() - started:.1f}s"
+        )
+        done = prewarm(drafter, shapes, planner.boundaries, device=device, hidden_dtype=dtype, echo=echo)
+        target_fast_path, target_done, target_compiled = "n/a", [], False
+        if kernels is not None:
+            waited = time.monotonic()
+            target_fast_path, target_done = kernels.result(echo)
+            echo(
+                f"warm: the target's kernels were ready {time.monotonic() - waited:.1f}s after the drafter's"
+            )
+        elif config.compile.target:
+            target_done = warm_compiled_target(
+                config, hf_config, shapes, device=device, dtype=dtype, echo=echo
+            )
+            target_compiled = bool(target_done)
     blob_bytes, entries = save_blob(cache.blob_path)
     autotuned = pack_autotune(cache)  # before the manifest: a complete manifest finds it there
     manifest = Manifest(
