@@ -211,7 +211,7 @@ def gpus(c: Context, wait: float = 0.0, json: bool = False) -> None:
 
 @fleet_task(help={"json": "print JSON (drift, extra, missing, changed, ...)", "full": "hash every file"})
 def env_check(c: Context, json: bool = False, full: bool = False) -> None:
-    """Compare the target's venv with its uv.lock; exit 1 on drift."""
+    """Compare the target's venv with its uv.lock and the GPUs' architecture; exit 1 on drift."""
     from fleet import envs as fleet_envs
 
     drifted: list[str] = []
@@ -220,7 +220,7 @@ def env_check(c: Context, json: bool = False, full: bool = False) -> None:
         if not target.spec.env:
             return f'{target.name}: no managed env (env = ""), nothing to check'
         report = fleet_envs.check_env(target, repo_root(), full=full)
-        if report.drift:
+        if report.drift or report.gpu_arch:
             drifted.append(target.name)
         return report.to_json_text() if json else report.text()
 

@@ -65,6 +65,8 @@ class DriftReport:
     checked: int = 0  # distributions looked at
     hashed_files: int = 0
     notes: tuple[str, ...] = field(default=())
+    # The env's torch has no kernel for these GPUs' architecture (fleet.gpu_arch): one line and the fix
+    gpu_arch: str = ""
 
     @property
     def drift(self) -> bool:
@@ -119,6 +121,7 @@ class DriftReport:
             "checked": self.checked,
             "hashed_files": self.hashed_files,
             "notes": list(self.notes),
+            "gpu_arch": self.gpu_arch,
         }
 
     def text(self, width: int = 110) -> str:
@@ -147,6 +150,8 @@ class DriftReport:
                 table.add_row("lock", f"envs/{self.env}/uv.lock", "", "", "changed since this env was built")
             console.print(table)
             console.print(f"uv sync --check: {self.uv_check}; fix with `fab env-rebuild`", soft_wrap=True)
+        if self.gpu_arch:
+            console.print(f"{self.target}: GPU ARCHITECTURE: {self.gpu_arch}", soft_wrap=True)
         for note in self.notes:
             console.print(f"note: {note}", soft_wrap=True)
         return console.file.getvalue()  # type: ignore[attr-defined]

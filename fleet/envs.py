@@ -46,6 +46,7 @@ from typing import Any
 from fleet import remote
 from fleet.env_drift import DriftReport, diff_env, parse_lock, parse_uv_check
 from fleet.errors import ConfigError, EnvError, tail_lines
+from fleet.gpu_arch import CAPS_FIELDS, arch_mismatch, jit_only, parse_caps, sm
 from fleet.inventory import TargetSpec
 from fleet.target import CommandResult, Target
 
@@ -629,6 +630,7 @@ def _verify(target: Target, env_def: EnvDef, venv: str, def_dir: str) -> dict[st
         "synced_at": checked["dists"]["now"],
         "torch": checked.get("torch", ""),
         "torch_cuda": checked.get("torch_cuda", ""),
+        "torch_arch_list": checked.get("torch_arch_list", []),
     }
     if gpus and env_def.has_torch:
         smi = target.run([target.spec.commands.nvidia_smi], check=False)
@@ -648,7 +650,46 @@ def _verify(target: Target, env_def: EnvDef, venv: str, def_dir: str) -> dict[st
                 "(torch.cuda.is_available() is False); not switched"
             )
         manifest["cuda_available"] = True
+        caps = target.run([target.spec.commands.nvidia_smi, *CAPS_QUERY], check=False)
+        answer = {"exit_code": caps.exit_code, "output": caps.stdout + caps.stderr}
+        why, _ = gpu_arch_problem(env_def.name, manifest, answer)
+        if why:
+            raise EnvError(f"{target.name}: {why}; not switched")
     return manifest
+
+
+CAPS_QUERY = (f"--query-gpu={','.join(CAPS_FIELDS)}", "--format=csv")
+
+
+def gpu_arch_problem(env: str, manifest: dict[str, Any], caps: dict[str, Any] | None) -> tuple[str, str]:
+    """(why the env's torch cannot run on the GPUs, a note when that could not be told): from the
+    manifest's ``torch_arch_list`` and ``nvidia-smi``'s compute capabilities (``caps``: its exit
+    code and output, None on a CPU target)."""
+    torch = str(manifest.get("torch", ""))
+    if caps is None or not torch or not manifest.get("torch_cuda"):
+        return "", ""  # no GPUs, no torch, or a CPU-only torch (`fab doctor` names that one)
+    arch_list = [str(a) for a in manifest.get("torch_arch_list") or []]
+    if not arch_list:
+        return "", (
+            f"env {env}'s manifest does not record torch's GPU architectures (built by an older fleet): "
+            "`fab env-rebuild` records them"
+        )
+    try:
+        gpus = parse_caps(str(caps.get("output", ""))) if caps.get("exit_code") == 0 else None
+    except ValueError:
+        gpus = None
+    if not gpus:
+        said = tail_lines(str(caps.get("output", "")), 1) or f"exit {caps.get('exit_code')}"
+        return "", f"the GPUs' compute capability was not read (nvidia-smi compute_cap: {said})"
+    why = arch_mismatch(env, torch, arch_list, gpus)
+    jit = jit_only(arch_list, gpus)
+    if why or not jit:
+        return why, ""
+    caps_seen = ", ".join(sorted({sm(g.cap) for g in jit}))
+    return "", (
+        f"env {env}'s torch has only PTX for {caps_seen} (no cubin): the driver JIT-compiles every kernel "
+        "at first use (slow first start); a torch built for it avoids that"
+    )
 
 
 # --- the public operations (called by tasks.py) ------------------------------------------------
@@ -665,9 +706,14 @@ def _require_env(target: Target) -> str:
 
 
 def _check_data(target: Target, name: str, full: bool) -> dict[str, Any] | None:
-    """The probe's ``check`` output for the current env; None when there is no built env."""
-    current = target.spec.layout.env_current(name)
-    res = _probe(target, current, "check", current, *(["--full"] if full else []))
+    """The probe's ``check`` output for the current env (with the GPUs' compute capabilities on a
+    GPU target); None when there is no built env."""
+    spec = target.spec
+    current = spec.layout.env_current(name)
+    args = ["--full"] if full else []
+    if spec.gpus > 0:
+        args += ["--smi", spec.commands.nvidia_smi, "--smi-timeout", f"{spec.gpu_gate.timeout_s:g}"]
+    res = _probe(target, current, "check", current, *args)
     damaged = _probe_error(res) if res.exit_code == 2 else ""
     if "is not JSON" in damaged:
         # The build is there but its record is junk: name the record, not the env, as the cause.
@@ -698,6 +744,10 @@ def _report(target: Target, name: str, env_def: EnvDef, data: dict[str, Any], fu
     diffs = diff_env(lock, list(manifest.get("installed", {})), data["dists"], data["modified"])
     uv_status, uv_lines = parse_uv_check(data["uv_check"]["exit_code"], data["uv_check"]["output"])
     notes = () if full else ("files were hashed only where changed since the build; --full hashes all",)
+    caps = data.get("gpu_caps") if target.spec.gpus > 0 else None
+    gpu_arch, arch_note = gpu_arch_problem(name, manifest, caps)
+    if arch_note:
+        notes = (*notes, arch_note)
     return DriftReport(
         target=target.name,
         env=name,
@@ -709,6 +759,7 @@ def _report(target: Target, name: str, env_def: EnvDef, data: dict[str, Any], fu
         checked=len(data["dists"]),
         hashed_files=int(data.get("hashed_files", 0)),
         notes=notes,
+        gpu_arch=gpu_arch,
         **diffs,
     )
 
@@ -739,13 +790,19 @@ def ensure_env(target: Target, repo_root: Path) -> EnvInfo:
             return info
         data = _check_data(target, spec.env, full=False)  # an earlier build was reused: check it
         assert data is not None
-    report = _report(target, spec.env, env_def, data, full=False)
+    _refuse_unfit(target, _report(target, spec.env, env_def, data, full=False))
+    return _info(target, spec.env, data["manifest"], built=False)
+
+
+def _refuse_unfit(target: Target, report: DriftReport) -> None:
+    """EnvError when the env drifted from its lock or its torch has no kernel for the GPUs."""
     if report.drift:
         raise EnvError(
-            f"{target.name}: env {spec.env} ({report.path}) has drifted from envs/{spec.env}/uv.lock "
+            f"{target.name}: env {report.env} ({report.path}) has drifted from envs/{report.env}/uv.lock "
             f"({report.summary()}); run `fab env-rebuild`"
         )
-    return _info(target, spec.env, data["manifest"], built=False)
+    if report.gpu_arch:
+        raise EnvError(f"{target.name}: refused: {report.gpu_arch}")
 
 
 def refuse_drift(target: Target, repo_root: Path) -> None:
@@ -753,12 +810,7 @@ def refuse_drift(target: Target, repo_root: Path) -> None:
     spec = target.spec
     if not spec.env:
         return
-    report = check_env(target, repo_root)
-    if report.drift:
-        raise EnvError(
-            f"{target.name}: env {spec.env} ({report.path}) has drifted from envs/{spec.env}/uv.lock "
-            f"({report.summary()}); run `fab env-rebuild`"
-        )
+    _refuse_unfit(target, check_env(target, repo_root))
 
 
 def rebuild_env(target: Target, repo_root: Path) -> EnvInfo:

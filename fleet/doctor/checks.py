@@ -47,7 +47,7 @@ from fleet.doctor.parse import (
     parse_proc_devices,
     parse_smi_xml,
 )
-from fleet.envs import cuda_mismatch
+from fleet.envs import cuda_mismatch, gpu_arch_problem
 from fleet.errors import FleetError, tail_lines
 from fleet.gpus import smi_failure
 from fleet.remote import Answer
@@ -565,7 +565,29 @@ def _driver(spec: TargetSpec, facts: Facts) -> list[Finding]:
                 )
             )
     findings.append(_torch_cuda(spec, ct, smi))
+    findings.append(_torch_arch(spec, ct))
     return findings
+
+
+def _torch_arch(spec: TargetSpec, ct: Mapping[str, Answer]) -> Finding:
+    """The env's torch has kernels (cubins or PTX) for every GPU's compute capability."""
+    name = "torch GPU architecture"
+    answer = ct.get("env")
+    try:
+        manifest = json.loads(answer.output) if answer is not None and answer.exit_code == 0 else None
+    except json.JSONDecodeError:
+        manifest = None  # the torch CUDA build check names the unreadable manifest
+    if not spec.env or not isinstance(manifest, dict) or not manifest.get("torch_cuda"):
+        return Finding("driver", name, "skip", "no built env with a CUDA torch (the torch CUDA build check)")
+    caps = ct.get("caps") or Answer(-1, "no answer")
+    why, note = gpu_arch_problem(spec.env, manifest, {"exit_code": caps.exit_code, "output": caps.output})
+    if why:
+        cause, _, fix = why.partition("; lock ")
+        return Finding("driver", name, "fail", cause, f"lock {fix}" if fix else "")
+    if note:
+        return Finding("driver", name, "warn", note, "`fab env-rebuild`" if "older fleet" in note else "")
+    archs = " ".join(str(a) for a in manifest.get("torch_arch_list", []))
+    return Finding("driver", name, "ok", f"torch {manifest.get('torch')} has kernels for every GPU ({archs})")
 
 
 def _torch_cuda(spec: TargetSpec, ct: Mapping[str, Answer], smi: SmiXml | None) -> Finding:

@@ -64,7 +64,10 @@ if [ -n "$model" ]; then
     section model_config cat "$model/$HF_CONFIG_FILE"
     section model_bytes du -s -k -L "$model"
 fi
-if [ "$gpu" != none ]; then smi_section smi_xml -q -x; fi
+if [ "$gpu" != none ]; then
+    smi_section smi_xml -q -x
+    smi_section caps --query-gpu=index,name,compute_cap --format=csv
+fi
 if [ "$gpu" = all ]; then
     smi_section topo topo -m
     smi_section p2p topo -p2p r

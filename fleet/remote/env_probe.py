@@ -13,12 +13,14 @@ Commands:
     path) and the files that differ from their RECORD: missing, of another size, or, when their
     mtime or ctime is newer than ``--since`` (or always with ``--full``), of another sha256.
 ``verify [--torch] [--cuda] [--import MODULE ...] [--dists]``
-    Import modules; with ``--torch`` report torch's version, its CUDA build and (``--cuda``)
+    Import modules; with ``--torch`` report torch's version, its CUDA build, the architectures its
+    kernels are built for (``torch.cuda.get_arch_list()``) and (``--cuda``)
     ``torch.cuda.is_available()`` and the device count. Exit 1 with ``{"ok": false, "error": ...}``
     when an import fails.
-``check ENV_DIR [--full]``
-    For ``fab env-check``, one round trip: the env's manifest, ``dists`` since its build, and the
-    output of ``uv sync --locked --check`` (run by this script, with the caller's UV_* variables).
+``check ENV_DIR [--full] [--smi NVIDIA_SMI [--smi-timeout S]]``
+    For ``fab env-check``, one round trip: the env's manifest, ``dists`` since its build, the
+    output of ``uv sync --locked --check`` (run by this script, with the caller's UV_* variables)
+    and, with ``--smi``, the GPUs' compute capabilities (``nvidia-smi --query-gpu=...compute_cap``).
 ``finalize STAGING FINAL_BASE NAME`` (manifest JSON on stdin)
     Write the manifest into the verified staging venv, rename it to ``FINAL_BASE`` (or
     ``FINAL_BASE-N`` when taken), switch ``envs/NAME/current`` (old one -> ``previous``).
@@ -224,6 +226,11 @@ def verify(modules: list[str], want_torch: bool, want_cuda: bool) -> tuple[dict[
         result["imported"].append("torch")
         result["torch"] = str(torch.__version__)
         result["torch_cuda"] = torch.version.cuda or ""
+        # The kernels' architectures (sm_XY cubins, compute_XY PTX): the build's, no GPU needed
+        arch = list(torch.cuda.get_arch_list()) if torch.version.cuda else []
+        if torch.version.cuda and not arch:  # older torch lists them only where CUDA is available
+            arch = str(getattr(torch._C, "_cuda_getArchFlags", lambda: "")() or "").split()
+        result["torch_arch_list"] = arch
         if want_cuda:
             result["cuda_available"] = bool(torch.cuda.is_available())
             result["device_count"] = int(torch.cuda.device_count()) if result["cuda_available"] else 0
@@ -338,8 +345,21 @@ def rollback(env_dir: Path, name: str) -> dict[str, Any]:
     return {"path": str(real), "previous": old, "manifest": manifest}
 
 
-def check(env_dir: Path, full: bool) -> dict[str, Any]:
-    """Everything ``fab env-check`` needs, in one round trip: manifest, dists, ``uv sync --check``."""
+def gpu_caps(smi: str, timeout_s: float) -> dict[str, Any]:
+    """``nvidia-smi --query-gpu=index,name,compute_cap`` (the GPUs' architectures), as data."""
+    argv = [smi, "--query-gpu=index,name,compute_cap", "--format=csv"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"exit_code": 124, "output": f"{smi}: no answer within {timeout_s:g} s"}
+    except OSError as err:
+        return {"exit_code": 127, "output": f"{smi}: {err}"}
+    return {"exit_code": done.returncode, "output": done.stdout + done.stderr}
+
+
+def check(env_dir: Path, full: bool, smi: str = "", smi_timeout: float = 10.0) -> dict[str, Any]:
+    """Everything ``fab env-check`` needs, in one round trip: manifest, dists, ``uv sync --check``
+    and, with ``smi``, the GPUs' compute capabilities."""
     manifest = read_manifest(env_dir)
     since = None if full else float(manifest.get("synced_at", 0))
     uv_bin = str(manifest.get("uv") or "uv")
@@ -364,6 +384,8 @@ def check(env_dir: Path, full: bool) -> dict[str, Any]:
             uv_check["output"] = f"{uv_bin}: no answer within 120 s"
     out["manifest"] = manifest
     out["uv_check"] = uv_check
+    if smi:
+        out["gpu_caps"] = gpu_caps(smi, smi_timeout)
     return out
 
 
@@ -383,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p_check = sub.add_parser("check")
     p_check.add_argument("env_dir", type=Path)
     p_check.add_argument("--full", action="store_true")
+    p_check.add_argument("--smi", default="", help="nvidia-smi: also read the GPUs' compute capabilities")
+    p_check.add_argument("--smi-timeout", type=float, default=10.0)
     p_final = sub.add_parser("finalize", help="manifest JSON on stdin")
     p_final.add_argument("staging", type=Path)
     p_final.add_argument("final_base", type=Path)
@@ -404,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.dists and code == 0:
                 out["dists"] = dists_info(None, False, files=False)
         elif args.command == "check":
-            out = check(args.env_dir, args.full)
+            out = check(args.env_dir, args.full, args.smi, args.smi_timeout)
         elif args.command == "finalize":
             out = finalize(args.staging, args.final_base, args.name, json.load(sys.stdin))
         elif args.command == "rollback":
