@@ -268,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                 engine_args=parse_engine_args(args.engine_args),
             )
         else:
-            if extra:
-                raise_usage(f"unexpected argument {extra[0]!r}: eval takes only --run-dir and --export")
+            if other := [arg for arg in extra if not arg.startswith("--eval.")]:
+                raise_usage(
+                    f"unexpected argument {other[0]!r}: eval takes --run-dir, --export and --eval.KEY=VALUE"
+                )
             from training.config import read_config
             from training.run.single import evaluate_run
 
-            evaluate_run(read_config(run_dir), run_dir, export=args.export)
+            evaluate_run(read_config(run_dir, extra), run_dir, export=args.export)
     except TrainingError as exc:
         _record_error(run_dir, exc)
         print(f"error: {exc}", file=sys.stderr)

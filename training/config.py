@@ -130,6 +130,9 @@ class DataSection:
     max_batch_size: int = 64
     num_buckets: int = 6
     eval_prompts: int = 16  # held out from the data for acceptance eval
+    # A file (same formats as path) of the held-out records instead: every record of path trains,
+    # and the eval prompts are this file's (one held-out set for runs of different training data)
+    eval_path: str = ""
     seed: int = 0
     corpus_files: int = 400  # default corpus: how many stdlib files
     corpus_prompt_lines: int = 8
@@ -143,6 +146,11 @@ class DataSection:
     regen_prompts: int = 256
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16
+    # Where the prompts come from (comma-separated): "stdlib", the shipped corpus; "packages", also
+    # the documented public functions of the env's own numpy, torch, transformers and datasets
+    # (training.data.regen.REGEN_PACKAGES: installed from PyPI, nothing downloaded) in four kinds of
+    # request, for more and more varied prompts than the corpus' ~3000.
+    regen_sources: str = "stdlib"
     # OpenAI-compatible servers of the target (comma-separated host:port or URLs; SGLang, vLLM,
     # llama-server): the regeneration goes to them (training.data.engine_regen, greedy, the same
     # prompts and max new tokens) instead of ``generate`` in this process.
@@ -177,6 +185,10 @@ class EvalSection:
     num_prompts: int = 8
     prompt_tokens: int = 64
     max_new_tokens: int = 64
+    # held_out: the prompts held out of training (data.eval_prompts); train: prompts of the rows it
+    # trains on (memorisation against a train/inference mismatch: `python -m training eval
+    # --eval.split=train`)
+    split: str = "held_out"
 
 
 @dataclass(frozen=True)
@@ -375,6 +387,10 @@ def build_config(
     return config
 
 
+REGEN_SOURCES = ("stdlib", "packages")
+EVAL_SPLITS = ("held_out", "train")
+
+
 def validate(config: RunConfig) -> None:
     """Cross-field checks that types alone cannot express."""
     positive = {
@@ -415,6 +431,14 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(
             "config key model.checkpoint_layout: 'multimodal' is the Qwen3.5/3.6 layout; "
             "set model.architecture = 'qwen3_5' too"
+        )
+    if config.eval.split not in EVAL_SPLITS:
+        raise ConfigError(f"config key eval.split: {config.eval.split!r}: one of {', '.join(EVAL_SPLITS)}")
+    sources = [part.strip() for part in config.data.regen_sources.split(",")]
+    if not sources or any(part not in REGEN_SOURCES for part in sources) or len(set(sources)) != len(sources):
+        raise ConfigError(
+            f"config key data.regen_sources: {config.data.regen_sources!r}: give a comma-separated subset of "
+            f"{', '.join(REGEN_SOURCES)}"
         )
     if config.model.kind == "pretrained" and not config.model.path:
         raise ConfigError("config key model.path: required when model.kind = 'pretrained' (a local folder)")
@@ -559,11 +583,13 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
 
-def read_config(run_dir: Path) -> RunConfig:
+def read_config(run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A run dir's resolved config (``config.json``), with ``overrides`` applied and validated."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path} not found: is {run_dir} a run dir of `python -m training train`?")
-    return config_from_dict(json.loads(path.read_text(encoding="utf-8")))
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return build_config(dict(data), overrides, name=str(data.get("name", "custom")))
 
 
 __all__ = [

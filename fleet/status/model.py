@@ -594,7 +594,7 @@ def build_status(
             )
         elif kind == "serve_bench":
             serve = ServeFigure.from_event(ev) or serve
-        elif kind == "eval":
+        elif kind == "eval" and ev.get("split", "held_out") == "held_out":  # not the memorisation check's
             eval_tau = _num(ev.get("tau_mean"))
             eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
         elif kind == "target" and isinstance(ev.get("kernels"), dict):

@@ -289,12 +289,15 @@ def load_tokenized(data: DataSection, tokenizer: Any, cache_dir: Path, data_cach
 class TrainData:
     """Held-out eval prompts + length-bucketed, shuffled, resumable training batches."""
 
-    def __init__(self, tokenized: Any, data: DataSection) -> None:
-        n = len(tokenized)
-        held = min(data.eval_prompts, max(0, n - 1))
-        order = np.random.default_rng([data.seed, 7919]).permutation(n)
-        self.eval_rows = tokenized.select(sorted(order[:held].tolist()))
-        self.rows = tokenized.select(sorted(order[held:].tolist()))
+    def __init__(self, tokenized: Any, data: DataSection, eval_rows: Any = None) -> None:
+        if eval_rows is not None:  # data.eval_path: the held-out records are another file's
+            self.eval_rows, self.rows = eval_rows, tokenized
+        else:
+            n = len(tokenized)
+            held = min(data.eval_prompts, max(0, n - 1))
+            order = np.random.default_rng([data.seed, 7919]).permutation(n)
+            self.eval_rows = tokenized.select(sorted(order[:held].tolist()))
+            self.rows = tokenized.select(sorted(order[held:].tolist()))
         self.planner = EpochPlanner(
             np.asarray(self.rows["length"]),
             data.num_buckets,
@@ -322,12 +325,17 @@ class TrainData:
         batch = Batch(ids, mask, torch.tensor(lengths, dtype=torch.long), bucket, at)
         return batch, after
 
-    def eval_prompts(self, prompt_tokens: int, count: int) -> list[list[int]]:
-        """Up to ``count`` held-out prompts: the last ``prompt_tokens`` tokens before the first
-        labelled one (at least one token), so a long prompt keeps its end (the chat turn that
-        asks) instead of being cut after its first message."""
+    def eval_prompts(self, prompt_tokens: int, count: int, split: str = "held_out") -> list[list[int]]:
+        """Up to ``count`` held-out prompts (``split`` "train": of the training rows, spread over
+        them): the last ``prompt_tokens`` tokens before the first labelled one (at least one token),
+        so a long prompt keeps its end (the chat turn that asks) instead of being cut after its
+        first message."""
+        rows = self.eval_rows
+        if split == "train":
+            n, k = len(self.rows), min(count, len(self.rows))
+            rows = self.rows.select([i * n // k for i in range(k)]) if k else self.rows
         prompts: list[list[int]] = []
-        for ids, mask in zip(self.eval_rows["input_ids"], self.eval_rows["loss_mask"], strict=True):
+        for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
             first_label = mask.index(1) if 1 in mask else len(ids)
             end = max(1, first_label)
             prompts.append(list(ids[max(0, end - max(1, prompt_tokens)) : end]))

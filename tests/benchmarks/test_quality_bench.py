@@ -1,0 +1,123 @@
+"""benchmarks/quality_bench.py on a CPU: the held-out split both arms share, the SpecForge feature
+files (the keys, dtypes and shapes its offline reader takes: specforge/runtime/data_plane/
+offline_reader.py, shared/context/specforge-smol) written for exactly the rows fleet trains on,
+and the draft config written from fleet's export config. The tiny target stands in for SmolLM2
+(same code path, CPU size); the device run (benchmarks/gpu/quality.sh) feeds them to SpecForge."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared" / "context" / "specforge-smol" / "smol-dflash.json"
+
+
+def bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("quality_bench", REPO / "benchmarks" / "quality_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(n: int) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Write a Python function `f{i}(x)`: return x plus {i}"},
+                {"role": "assistant", "content": f"def f{i}(x):\n    return x + {i}\n" * (1 + i % 3)},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def test_the_held_out_split_is_seeded_disjoint_and_in_file_order() -> None:
+    q = bench()
+    data = rows(40)
+    held, train = q.split_rows(data, 8, seed=0)
+    again, _ = q.split_rows(data, 8, seed=0)
+    other, _ = q.split_rows(data, 8, seed=1)
+    assert held == again and held != other
+    assert len(held) == 8 and len(train) == 32
+    prompts = {q.prompt_of(r) for r in held}
+    assert not prompts & {q.prompt_of(r) for r in train}
+    assert [data.index(r) for r in held] == sorted(data.index(r) for r in held)
+    assert q.points(800, 4) == [200, 400, 600, 800] and q.points(10, 3) == [3, 6, 10]
+
+
+@pytest.mark.slow
+def test_features_are_specforges_format_for_exactly_the_rows_fleet_trains_on(tmp_path: Path) -> None:
+    import torch
+
+    from training.config import load_config
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import load_train_data
+
+    q = bench()
+    held, train = q.split_rows(rows(24), 6, seed=0)
+    q.write_jsonl(tmp_path / "heldout.jsonl", held)
+    q.write_jsonl(tmp_path / "train.jsonl", train)
+    overrides = [
+        f"--data.path={tmp_path / 'train.jsonl'}",
+        f"--data.eval_path={tmp_path / 'heldout.jsonl'}",
+        f"--model.cache_dir={tmp_path / 'models'}",
+    ]
+    config = load_config("tiny-cpu", overrides)
+    split = q.features_for(config, tmp_path / "sf", tmp_path / "cache")
+    assert split["train_rows"] == 18 and split["held_out"] == 6
+
+    _folder, tok_dir = model_source(config)
+    data = load_train_data(config, load_tokenizer(tok_dir), tmp_path / "cache", echo=lambda _line: None)
+    eval_prompts = [q.prompt_of(r) for r in held]
+    assert len(data.eval_rows) == 6 and len(data.rows) == 18
+    files = sorted((tmp_path / "sf" / "features").glob("data_*.ckpt"))
+    assert len(files) == split["features"] > 0
+    hidden = config.model.hidden_size
+    layer_ids = split["layer_ids"]
+    trained = {tuple(ids) for ids in data.rows["input_ids"]}
+    for path in files:
+        sample = torch.load(path, weights_only=False, mmap=True)  # as SpecForge's load_feature_file
+        assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+        ids, mask, states = sample["input_ids"], sample["loss_mask"], sample["hidden_states"]
+        t = ids.shape[0]
+        assert ids.dtype == torch.long and ids.dim() == 1
+        assert mask.shape == (t,) and set(mask.unique().tolist()) <= {0, 1}
+        assert bool((mask[1:] * mask[:-1]).any()), "SpecForge refuses a sample without 2 labelled tokens"
+        assert states.dtype == torch.bfloat16 and states.shape == (1, t, len(layer_ids) * hidden)
+        assert tuple(ids.tolist()) in trained
+    held_ids = {tuple(ids) for ids in data.eval_rows["input_ids"]}
+    assert not held_ids & trained and len(eval_prompts) == 6
+
+    draft = json.loads((tmp_path / "sf" / "draft.json").read_text())
+    assert draft["architectures"] == ["DFlashDraftModel"]
+    assert draft["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert draft["dflash_config"]["target_layer_ids"] == layer_ids
+
+
+def test_the_smol_drafter_has_the_reference_shape() -> None:
+    """smol-h200's drafter (what every arm trains): the shape shared/context/specforge-smol gives
+    SpecForge (layers, layer types, window, block, target layers)."""
+    from training.config import load_config
+    from training.model.drafter import select_target_layers
+    from training.run.core import drafter_config
+
+    if not SHARED.is_file():
+        pytest.skip(f"{SHARED} is not beside this checkout")
+    ref = json.loads(SHARED.read_text())
+    config = load_config("smol-h200")
+    cfg = drafter_config(config)
+    assert (cfg.num_layers, cfg.layer_types(), cfg.sliding_window, cfg.block_size) == (
+        ref["num_hidden_layers"],
+        ref["layer_types"],
+        ref["sliding_window"],
+        ref["block_size"],
+    )
+    layers = select_target_layers(ref["num_target_layers"], config.drafter.num_target_layers)
+    assert layers == ref["dflash_config"]["target_layer_ids"]
