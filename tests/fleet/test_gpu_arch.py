@@ -64,6 +64,8 @@ def test_parse_arch_rejects_other_words() -> None:
 
 
 def test_caps_of_the_recorded_captures() -> None:
+    (real,) = parse_caps((SMI / "h200x2" / "caps_h200x1.csv").read_text())  # the device's H200
+    assert (real.index, real.name, real.cap) == (0, "NVIDIA H200", (9, 0))
     assert [(g.index, g.name, g.cap) for g in caps_of("idle")] == [
         (0, "NVIDIA H200", (9, 0)),
         (1, "NVIDIA H200", (9, 0)),
