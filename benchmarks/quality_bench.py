@@ -192,7 +192,7 @@ def feature_record(input_ids: Any, loss_mask: Any, hidden: Any) -> dict[str, Any
     }
 
 
-def write_features(config: Any, rows: Any, out: Path, target: Any, layer_ids: list[int]) -> int:
+def write_features(rows: Any, out: Path, target: Any, layer_ids: list[int]) -> int:
     """SpecForge's offline files of ``rows`` (``input_ids``, ``loss_mask`` columns) under ``out``."""
     import torch
 
@@ -243,7 +243,7 @@ def features_for(config: Any, out: Path, data_cache: Path) -> dict[str, Any]:
         target = target.to("cuda", torch.bfloat16)
     started = time.time()
     layer_ids = list(draft["dflash_config"]["target_layer_ids"])
-    n = write_features(config, data.rows, out / "features", target, layer_ids)
+    n = write_features(data.rows, out / "features", target, layer_ids)
     split = {
         "train_rows": len(data.rows),
         "features": n,

@@ -75,6 +75,7 @@ def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Co
     return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
+@pytest.mark.slow
 def test_a_rendezvous_that_cannot_form_ends_with_one_line(tmp_path: Path) -> None:
     """Two nodes expected, one started: torchrun gives up after join_timeout; one line, exit 1."""
     launcher = [sys.executable, "-m", "training.launch", "--nproc-per-node=1", "--nnodes=2"]

@@ -114,6 +114,7 @@ def _children_environ(pid: int) -> list[dict[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_compile_workers_start_early_with_the_keys_cache_dirs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

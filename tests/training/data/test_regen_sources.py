@@ -9,12 +9,14 @@ from training.config import ConfigError, load_config
 from training.data.regen import package_sources, shipped_prompts
 
 
+@pytest.mark.slow
 def test_stdlib_alone_is_the_corpus_prompts_alternating_write_and_explain() -> None:
     prompts = shipped_prompts(6)
     assert prompts == shipped_prompts(6, "stdlib")
     assert [p.split()[0] for p in prompts] == ["Write", "Explain"] * 3
 
 
+@pytest.mark.slow
 def test_packages_add_their_functions_in_four_kinds_of_request() -> None:
     """A real installed distribution (pytest's own sources) as the package source."""
     sources = package_sources(("pytest",))

@@ -387,6 +387,7 @@ def test_split_kv_projections_equal_the_previous_attention(
         torch.testing.assert_close(grad, ref_grads[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_compiled_regions_give_the_eager_loss_accuracy_and_gradients() -> None:
     """``compile_regions``: the code between the attention kernels and the loss's softmax
     compiled (what a run that compiles uses) gives the eager drafter's loss, counts and every

@@ -218,6 +218,7 @@ def _detect(mode: str, folder: Path, extra_path: Path | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_detection_reads_the_implementation_transformers_chose(tiny_cache: Path, tmp_path: Path) -> None:
     """transformers >= 5.17 imports ``fla`` (any importable package of that name) when
     ``modeling_qwen3_5`` is imported and calls what it found: with a package exposing the two

@@ -241,6 +241,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     from training.run import core
 

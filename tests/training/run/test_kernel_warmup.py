@@ -24,6 +24,7 @@ def tiny_hybrid() -> tuple[object, object]:
     return config, target_config(config, folder)
 
 
+@pytest.mark.slow
 def test_the_child_reports_what_the_warm_up_in_process_does(tiny_cache: Path) -> None:
     config, hf_config = tiny_hybrid()
     device = torch.device("cpu")
@@ -39,6 +40,7 @@ def test_the_child_reports_what_the_warm_up_in_process_does(tiny_cache: Path) ->
     assert lines == here and any("target kernels:" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_failing_child_is_one_line_in_the_parent(tiny_cache: Path) -> None:
     config, hf_config = tiny_hybrid()
     broken = type(hf_config).from_dict({**hf_config.to_dict(), "intermediate_size": -1})
