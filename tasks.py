@@ -37,7 +37,7 @@ def deploy(c: Context) -> None:
         c.config["fleet_deployed"] = {run.name: True}
         return
     with single_target(c) as target:
-        env = fleet_envs.ensure_env(target, repo_root())  # builds a missing env; refuses a drifted one
+        env = fleet_envs.ensure_env(target, repo_root())  # builds a missing env; refuses a drifted, unfit one
         if env.managed:
             print(f"{target.name}: env {env.name} {'built' if env.built else 'ok'} ({env.path})")
         release = fleet_deploy.deploy(target, repo_root())

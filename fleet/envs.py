@@ -778,7 +778,8 @@ def check_env(target: Target, repo_root: Path, *, full: bool = False) -> DriftRe
 
 
 def ensure_env(target: Target, repo_root: Path) -> EnvInfo:
-    """The env runs on ``target`` use: built when missing (or its lock changed); EnvError on drift."""
+    """The env runs on ``target`` use: built when missing (or its lock changed); EnvError on drift
+    or when its torch has no kernel for the GPUs' architecture."""
     spec = target.spec
     if not spec.env:
         return EnvInfo(target=target.name, name="", managed=False, python=spec.commands.python)
@@ -806,7 +807,8 @@ def _refuse_unfit(target: Target, report: DriftReport) -> None:
 
 
 def refuse_drift(target: Target, repo_root: Path) -> None:
-    """``fab train`` on a managed env: EnvError when it drifted from its lock, as ``fab deploy`` says."""
+    """``fab train`` on a managed env: EnvError when it drifted from its lock or has no kernel for
+    the GPUs' architecture, as ``fab deploy`` says."""
     spec = target.spec
     if not spec.env:
         return
