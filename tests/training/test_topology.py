@@ -373,7 +373,9 @@ def test_sigterm_to_the_process_group_stops_cleanly(tiny_cache: Path, tmp_path: 
 def test_hung_rank_ends_job_after_the_timeout(tiny_cache: Path, tmp_path: Path) -> None:
     """A rank that stops answering (SIGSTOP: alive, silent) ends the job once the timeout passes."""
     run_dir = tmp_path / "run"
-    argv = _torchrun("1+1", run_dir, ["--train.steps=100000", "--pipeline.timeout_s=8"])
+    # The job's join (init_process_group) waits as long as this timeout too: 30 s leaves both ranks
+    # time to start on a loaded 2-core machine (8 s did not, beside other tests), then ends the hang.
+    argv = _torchrun("1+1", run_dir, ["--train.steps=100000", "--pipeline.timeout_s=30"])
     proc = subprocess.Popen(
         argv, cwd=REPO, env=_env(tiny_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
