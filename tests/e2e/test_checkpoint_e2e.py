@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.hosts
 
-STEPS = 40
+# Room after the second stop (at step 22): with 40 the tiny run could finish before `fab stop` landed
+STEPS = 64
 RUN = {
     "module": "training",
     "config": "tiny-cpu",
