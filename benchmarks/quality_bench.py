@@ -20,8 +20,10 @@ Every arm trains the smol-h200 drafter shape (SmolLM2-135M-Instruct target, 4 la
   process; SpecForge 0.2.0 installed ``--no-deps``), its draft config written from fleet's
   export config of the same drafter (so the shapes are equal by construction), then
   ``specforge export --to hf`` of each saved step.
-- ``packages``: a lever: fleet on ``train.jsonl`` + rows regenerated from prompts of the env's own
-  packages (``data.regen_sources = "stdlib,packages"``), minus any held-out prompt.
+- levers (``--lever "NAME=DATA[@STEPS] --section.key=value ..."``): fleet again with one change of
+  its recipe, on ``base`` (``train.jsonl``) or ``packages`` data (``train.jsonl`` + rows regenerated
+  from prompts of the env's own packages, ``data.regen_sources = "stdlib,packages"``, minus any
+  held-out prompt), for the benchmark's steps or STEPS.
 - ``eval``: every arm's checkpoints exported to HF folders (fleet: ``python -m training export``)
   and evaluated by fleet's evaluator (``python -m training eval --export``: greedy verification by
   the target, acceptance per round) on the held-out prompts, in parallel processes; the
@@ -30,7 +32,11 @@ Every arm trains the smol-h200 drafter shape (SmolLM2-135M-Instruct target, 4 la
 - ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
   the markdown rows for benchmarks/RESULTS.md.
 
-    python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge,packages]
+    python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge]
+        [--lever "opt=base --train.beta2=0.999" --lever "data=packages" ...] [--concurrent]
+
+``--concurrent`` trains the arms at once (the tau figures do not depend on it; the training seconds
+then do: take them from a run without it).
 
 Each step also runs alone (``python benchmarks/quality_bench.py STEP --out OUT``); a failed arm is
 recorded and the next one runs. One H200: ``benchmarks/gpu/quality.sh``.
@@ -42,11 +48,13 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +126,36 @@ def cmd_data(args: argparse.Namespace) -> None:
     log(f"data: {len(rows)} rows: {len(held)} held out, {len(train)} to train on")
 
 
+def packages_regen(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--data.regen_prompts={args.packages_prompts}",
+        "--data.regen_sources=stdlib,packages",
+        f"--data.regen_batch_size={args.regen_batch}",
+    ]
+
+
+def cmd_packages_regen(args: argparse.Namespace) -> None:
+    """Only the packages rows' regeneration (into the cache): ``all --concurrent`` runs it in a
+    process of its own beside the base rows' from the start."""
+    regenerate(packages_regen(args))
+
+
+def start_packages_regen(args: argparse.Namespace) -> subprocess.Popen:
+    argv = [sys.executable, str(Path(__file__).resolve()), "packages-regen", "--out", str(args.out)]
+    argv += ["--config", CONFIG, f"--packages-prompts={args.packages_prompts}"]
+    argv += [f"--regen-batch={args.regen_batch}", *(f"--set={o}" for o in EXTRA)]
+    log(f"packages rows regenerated beside: {' '.join(argv[1:])}")
+    with open(args.out / "packages-regen.log", "w") as out:
+        return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
 def cmd_packages_data(args: argparse.Namespace) -> None:
     """The packages lever's rows: train.jsonl + rows regenerated from the env's packages' prompts
     (``data.regen_sources = "stdlib,packages"``), none of them a held-out prompt."""
     base = read_jsonl(regenerate([]))
     held = {prompt_of(r) for r in read_jsonl(args.out / "heldout.jsonl")}
     seen = {prompt_of(r) for r in base}
-    regen = [f"--data.regen_prompts={args.packages_prompts}", "--data.regen_sources=stdlib,packages"]
-    extra_rows = read_jsonl(regenerate([*regen, f"--data.regen_batch_size={args.regen_batch}"]))
+    extra_rows = read_jsonl(regenerate(packages_regen(args)))
     extra = [r for r in extra_rows if prompt_of(r) not in seen and prompt_of(r) not in held]
     write_jsonl(args.out / "train_packages.jsonl", read_jsonl(args.out / "train.jsonl") + extra)
     log(f"data: packages lever: {len(base) - len(held)} + {len(extra)} rows (none of them held out)")
@@ -173,8 +203,44 @@ def cmd_fleet(args: argparse.Namespace) -> None:
     save(args.out, "fleet", train_fleet(args, "fleet", args.out / "train.jsonl"))
 
 
-def cmd_packages(args: argparse.Namespace) -> None:
-    save(args.out, "packages", train_fleet(args, "packages", args.out / "train_packages.jsonl"))
+DATA_FILES = {"base": "train.jsonl", "packages": "train_packages.jsonl"}
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One arm of fleet with one change: ``NAME=DATA[@STEPS] --section.key=value ...``."""
+
+    name: str
+    data: str
+    steps: int | None
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Lever:
+        head, *overrides = shlex.split(text)
+        name, _, spec = head.partition("=")
+        data, _, steps = (spec or "base").partition("@")
+        if not name.isidentifier() or name in ("fleet", "specforge") or data not in DATA_FILES:
+            raise SystemExit(f"--lever {text!r}: NAME=DATA[@STEPS] with DATA one of {sorted(DATA_FILES)}")
+        if any(not o.startswith("--") or "=" not in o for o in overrides):
+            raise SystemExit(f"--lever {text!r}: overrides are --section.key=value")
+        return cls(name, data, int(steps) if steps else None, tuple(overrides))
+
+
+def train_lever(args: argparse.Namespace, lever: Lever) -> None:
+    run = argparse.Namespace(**{**vars(args), "steps": lever.steps or args.steps})
+    result = train_fleet(run, lever.name, args.out / DATA_FILES[lever.data], list(lever.overrides))
+    save(args.out, lever.name, {**result, "lever": {"data": lever.data, "overrides": list(lever.overrides)}})
+
+
+def cmd_levers(args: argparse.Namespace) -> None:
+    for lever in args.levers:
+        train_lever(args, lever)
+
+
+def arm_steps(args: argparse.Namespace, arm: str) -> int:
+    lever = next((lv for lv in args.levers if lv.name == arm), None)
+    return (lever.steps if lever else None) or args.steps
 
 
 # ---------------------------------------------------------------------------------------- specforge
@@ -340,9 +406,9 @@ def run_logged(argv: list[str], log_path: Path) -> int:
 def export_jobs(args: argparse.Namespace) -> list[tuple[str, int, Path, list[str]]]:
     """(arm, step, export folder, the command that writes it) of every checkpoint to evaluate."""
     jobs = []
-    for arm in ("fleet", "packages"):
+    for arm in ("fleet", *(lever.name for lever in args.levers)):
         run_dir = args.out / arm
-        for step in points(args.steps, args.points):
+        for step in points(arm_steps(args, arm), args.points):
             if (run_dir / CHECKPOINT_DIR / (CHECKPOINT_FORMAT % step)).is_file():
                 folder = args.out / "exports" / f"{arm}-{step}"
                 argv = [
@@ -386,9 +452,12 @@ def export_jobs(args: argparse.Namespace) -> list[tuple[str, int, Path, list[str
     return jobs
 
 
-def eval_tau(args: argparse.Namespace, folder: Path, split: str, prompts: int, label: str) -> dict | None:
-    """fleet's evaluator on ``folder`` against the base fleet run's held-out (or train) prompts."""
-    run_dir = args.out / "fleet"
+def eval_tau(
+    args: argparse.Namespace, arm: str, folder: Path, split: str, prompts: int, label: str
+) -> dict | None:
+    """fleet's evaluator on ``folder`` against the held-out prompts every arm shares (or ``arm``'s
+    own training prompts), with the evaluation settings of ``arm``'s run (every arm's: smol-h200's)."""
+    run_dir = args.out / (arm if arm != "specforge" else "fleet")
     argv = [
         sys.executable,
         "-m",
@@ -426,38 +495,47 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if run_logged(argv, args.out / "evals" / f"export-{label}.log") != 0:
             log(f"export {label} failed")
             return
-        got = eval_tau(args, folder, "held_out", args.held_out, label)
+        got = eval_tau(args, arm, folder, "held_out", args.held_out, label)
         results[label] = {"arm": arm, "step": step, "held_out": got}
         log(f"eval {label}: {got and got['tau_mean']}")
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         list(pool.map(one, jobs))
-    last = points(args.steps, args.points)[-1]
-    folder = args.out / "exports" / f"fleet-{last}"
     # memorisation or mismatch: the same checkpoint on training prompts
-    if folder.is_dir() and "diagnostic" not in results:
-        diag = {
-            "train": eval_tau(args, folder, "train", args.diag_prompts, "diag-train"),
-            "held_out": eval_tau(args, folder, "held_out", args.diag_prompts, "diag-held-out"),
-        }
-        results["diagnostic"] = {"step": last, **diag}
+    for arm in args.diag.split(","):
+        last = points(arm_steps(args, arm), args.points)[-1]
+        folder = args.out / "exports" / f"{arm}-{last}"
+        key = "diagnostic" if arm == "fleet" else f"diagnostic-{arm}"
+        if folder.is_dir() and key not in results:
+            results[key] = {
+                "arm": arm,
+                "step": last,
+                "train": eval_tau(args, arm, folder, "train", args.diag_prompts, f"diag-train-{arm}"),
+                "held_out": eval_tau(
+                    args, arm, folder, "held_out", args.diag_prompts, f"diag-held-out-{arm}"
+                ),
+            }
     save(args.out, "evals", results)
 
 
 # ------------------------------------------------------------------------------------------- report
+SAVING = threading.Lock()  # arms trained at once save their results from threads
+
+
 def save(out: Path, name: str, data: Any) -> None:
-    path = out / "results.json"
-    found = json.loads(path.read_text()) if path.is_file() else {}
-    found[name] = data
-    tmp = path.with_name(".results.json.tmp")
-    tmp.write_text(json.dumps(found, indent=1, sort_keys=True))
-    tmp.replace(path)
+    with SAVING:
+        path = out / "results.json"
+        found = json.loads(path.read_text()) if path.is_file() else {}
+        found[name] = data
+        tmp = path.with_name(".results.json.tmp")
+        tmp.write_text(json.dumps(found, indent=1, sort_keys=True))
+        tmp.replace(path)
 
 
 def curves(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     found: dict[str, list[tuple[int, float]]] = {}
     for label, item in results.get("evals", {}).items():
-        if label != "diagnostic" and item.get("held_out"):
+        if not label.startswith("diagnostic") and item.get("held_out"):
             found.setdefault(item["arm"], []).append((item["step"], item["held_out"]["tau_mean"]))
     return {arm: sorted(points_) for arm, points_ in found.items()}
 
@@ -469,13 +547,13 @@ def cmd_report(args: argparse.Namespace) -> None:
         run = results.get(arm, {})
         taus = ", ".join(f"{step}: {tau:.3f}" for step, tau in curve)
         lines.append(f"| {arm} | {run.get('exit_code')} | {run.get('train_s') or 0:.1f} | {taus} |")
-    diag = results.get("evals", {}).get("diagnostic")
-    if diag:
-        t, h = diag.get("train") or {}, diag.get("held_out") or {}
-        lines.append(
-            f"\nmemorisation check, fleet step {diag['step']}: training prompts tau "
-            f"{t.get('tau_mean')}, held-out {h.get('tau_mean')}"
-        )
+    for label, diag in results.get("evals", {}).items():
+        if label.startswith("diagnostic"):
+            t, h = diag.get("train") or {}, diag.get("held_out") or {}
+            lines.append(
+                f"\nmemorisation check, {diag.get('arm', 'fleet')} step {diag['step']}: training prompts "
+                f"tau {t.get('tau_mean')}, held-out {h.get('tau_mean')} ({args.diag_prompts} each)"
+            )
     text = "\n".join(lines)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
@@ -493,7 +571,8 @@ def cmd_report(args: argparse.Namespace) -> None:
         by_step.plot(steps, taus, marker="o", label=arm)
         seconds = results.get(arm, {}).get("train_s")
         if seconds:
-            by_time.plot([seconds * s / args.steps for s in steps], taus, marker="o", label=arm)
+            total = results.get(arm, {}).get("steps") or args.steps
+            by_time.plot([seconds * s / total for s in steps], taus, marker="o", label=arm)
     by_step.set(xlabel="training step", ylabel=f"held-out tau per round ({args.held_out} prompts)")
     by_time.set(xlabel="training seconds (linear in steps)", ylabel="held-out tau per round")
     for ax in (by_step, by_time):
@@ -512,21 +591,46 @@ def guarded(name: str, step: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_all(args: argparse.Namespace) -> None:
-    """The arms in an order that keeps the timed training alone on the GPU: the packages lever's
-    regeneration runs beside the first arms' evals (not timed), its training after them."""
+    """The arms in an order that keeps the timed training alone on the GPU: the packages rows are
+    regenerated beside the first arms' evals (not timed), the packages levers trained after them.
+    ``--concurrent``: every arm at once, the packages levers as soon as their rows are."""
+    base = [lv for lv in args.levers if lv.data == "base"]
+    more = [lv for lv in args.levers if lv.data == "packages"]
+    early = start_packages_regen(args) if more and args.concurrent else None
     guarded("data", cmd_data, args)
-    guarded("fleet", cmd_fleet, args)
-    if "specforge" in args.arms:
+
+    def lever(lv: Lever) -> None:
+        guarded(lv.name, lambda a: train_lever(a, lv), args)
+
+    def specforge() -> None:
         guarded("features", cmd_features, args)
         guarded("specforge", cmd_specforge, args)
-    with ThreadPoolExecutor(max_workers=1) as side:
-        lever = "packages" in args.arms
-        regen = side.submit(guarded, "packages-data", cmd_packages_data, args) if lever else None
-        guarded("eval", cmd_eval, args)
-        if regen is not None:
-            regen.result()
-    if "packages" in args.arms:
-        guarded("packages", cmd_packages, args)
+
+    def packages(parallel: bool) -> None:
+        if early is not None:
+            log(f"packages rows regenerated: exit {early.wait()}")
+        guarded("packages-data", cmd_packages_data, args)
+        with ThreadPoolExecutor(max_workers=len(more) if parallel else 1) as pool:
+            list(pool.map(lever, more))
+
+    first = [lambda: guarded("fleet", cmd_fleet, args)] if "fleet" in args.arms else []
+    first += [specforge] if "specforge" in args.arms else []
+    first += [lambda lv=lv: lever(lv) for lv in base]
+    with ThreadPoolExecutor(max_workers=len(first) + 1) as pool:
+        if args.concurrent:
+            later = pool.submit(packages, True) if more else None
+            list(pool.map(lambda job: job(), first))
+        else:
+            for job in first:
+                job()
+            later = pool.submit(guarded, "packages-data", cmd_packages_data, args) if more else None
+        guarded("eval", cmd_eval, args)  # the finished arms' checkpoints, beside what still runs
+        if later is not None:
+            later.result()
+    if more and not args.concurrent:
+        for lv in more:
+            lever(lv)
+    if more:
         guarded("eval", cmd_eval, args)
     guarded("report", cmd_report, args)
 
@@ -535,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     global CONFIG
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     steps = {"all": cmd_all, "data": cmd_data, "fleet": cmd_fleet, "features": cmd_features}
-    steps |= {"specforge": cmd_specforge, "packages-data": cmd_packages_data, "packages": cmd_packages}
+    steps |= {"specforge": cmd_specforge, "packages-data": cmd_packages_data, "levers": cmd_levers}
+    steps |= {"packages-regen": cmd_packages_regen}
     steps |= {"eval": cmd_eval, "report": cmd_report}
     parser.add_argument("step", choices=tuple(steps))
     parser.add_argument("--out", type=Path, required=True)
@@ -544,7 +649,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--diag-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arms", default="fleet,specforge,packages")
+    parser.add_argument("--arms", default="fleet,specforge", help="of fleet,specforge")
+    parser.add_argument(
+        "--lever",
+        action="append",
+        default=[],
+        metavar='"NAME=DATA[@STEPS] --section.key=value ..."',
+        help="fleet with one change, DATA base or packages (repeatable)",
+    )
+    parser.add_argument("--diag", default="fleet", help="arms run on train prompts too")
+    parser.add_argument("--concurrent", action="store_true", help="train the arms at once")
     parser.add_argument("--packages-prompts", type=int, default=12000)
     parser.add_argument("--regen-batch", type=int, default=512, help="the packages lever's regen batch")
     parser.add_argument("--parallel", type=int, default=6, help="exports + evals at a time")
@@ -554,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     CONFIG = args.config
     EXTRA[:] = args.set
     args.out = args.out.resolve()
+    args.levers = [Lever.parse(text) for text in args.lever]
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     steps[args.step](args)

