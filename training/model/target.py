@@ -338,10 +338,13 @@ class HiddenCache:
         self.hits += len(keys) - len(missing)
         self.misses += len(missing)
         if missing:
-            width = int(max(int(lengths[r]) for r in missing))
-            fresh = target_forward(model, input_ids[missing, :width], layer_ids)
-            for i, r in enumerate(missing):
-                self.rows[keys[r]] = fresh[i, : int(lengths[r])].to("cpu", copy=True)
+            # The whole batch, at its bucket's shape: a compiled target forward is compiled for
+            # those shapes alone, and a narrower or shorter batch of the missing rows would
+            # recompile it at every new width (the run then stops at its recompile limit). In the
+            # first epoch every row is missing anyway; later, none is.
+            fresh = target_forward(model, input_ids, layer_ids)
+            for r in missing:
+                self.rows[keys[r]] = fresh[r, : int(lengths[r])].to("cpu", copy=True)
         features = next(iter(self.rows.values())).shape[-1]
         out = torch.zeros(
             (*input_ids.shape, features), dtype=self.rows[keys[0]].dtype, device=input_ids.device

@@ -97,9 +97,14 @@ def test_the_hidden_cache_gives_target_forward_s_features_in_any_batch(small_fol
     for r, n in enumerate(lengths.tolist()):
         ids[r, n:] = 0
     cache = HiddenCache()
+    seen: list[tuple[int, ...]] = []  # the shapes the target runs at (a compiled one: its buckets')
+    model.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     first = cache.forward(model, ids[[0, 1]], lengths[[0, 1]], [0, 2])
     mixed = cache.forward(model, ids[[2, 1]], lengths[[2, 1]], [0, 2])
     assert (cache.misses, cache.hits) == (3, 1)
+    assert seen == [(2, 12), (2, 12)]  # a mixed batch runs whole, not its missing row alone
     fresh = target_forward(model, ids, [0, 2])
     for out, rows in ((first, [0, 1]), (mixed, [2, 1])):
         for i, r in enumerate(rows):
