@@ -102,8 +102,9 @@ def test_features_are_specforges_format_for_exactly_the_rows_fleet_trains_on(tmp
 
 
 def test_the_smol_drafter_has_the_reference_shape() -> None:
-    """smol-h200's drafter (what every arm trains): the shape shared/context/specforge-smol gives
-    SpecForge (layers, layer types, window, block, target layers)."""
+    """The drafter every arm trains on smol-h200 (its config + the benchmark's pinned shape): the
+    shape shared/context/specforge-smol gives SpecForge (layers, layer types, window, block, target
+    layers), whatever smol-h200's own recipe is."""
     from training.config import load_config
     from training.model.drafter import select_target_layers
     from training.run.core import drafter_config
@@ -111,7 +112,7 @@ def test_the_smol_drafter_has_the_reference_shape() -> None:
     if not SHARED.is_file():
         pytest.skip(f"{SHARED} is not beside this checkout")
     ref = json.loads(SHARED.read_text())
-    config = load_config("smol-h200")
+    config = load_config("smol-h200", bench().reference_overrides("smol-h200"))
     cfg = drafter_config(config)
     assert (cfg.num_layers, cfg.layer_types(), cfg.sliding_window, cfg.block_size) == (
         ref["num_hidden_layers"],
