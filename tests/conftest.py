@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,13 @@ import testkit
 from testkit import hosts, llama_build, local_tmux, remote_fleet
 
 __all__ = ["hosts", "llama_build", "local_tmux", "remote_fleet"]
+
+# This machine's image sets PYTHONDONTWRITEBYTECODE=1, and a venv uv installs has no bytecode: every
+# Python the suite starts (trainers, torchrun ranks, `fab`) would compile torch's and transformers'
+# ~2,800 modules from source again, ~8 s of CPU a trainer and ~0.5 s a `fab` call. The suite lets
+# them write their bytecode once and read it after (xdist's workers inherit this environment).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # The dev group's packages the trainer's tests import (pyproject.toml, [dependency-groups] train).
 TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "gguf"}

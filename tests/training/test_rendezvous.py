@@ -112,7 +112,9 @@ def test_topology_run_where_the_hostname_does_not_resolve(tiny_cache: Path, tmp_
     train += ["--train.torch_threads=1", "--eval.num_prompts=0", "--checkpoint.every=0"]
     script = 'hostname "$1" && shift && exec "$@"'
     argv = ["unshare", "--uts", "sh", "-c", script, "fleet-rdzv", UNRESOLVABLE, *train]
-    done = _launch(argv, env={"FLEET_TRAINING_CACHE": str(tiny_cache)})
+    done = _launch(
+        argv, env={"FLEET_TRAINING_CACHE": str(tiny_cache), "FLEET_DATA_CACHE": str(tiny_cache / "data")}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cannot be retrieved" not in done.stderr
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

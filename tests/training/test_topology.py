@@ -186,7 +186,13 @@ def _env(cache: Path) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
-    env.update(FLEET_TRAINING_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # FLEET_DATA_CACHE: the runs of this module train the same data; tokenized once, not per rank and run
+    env.update(
+        FLEET_TRAINING_CACHE=str(cache),
+        FLEET_DATA_CACHE=str(cache / "data"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+    )
     return env
 
 

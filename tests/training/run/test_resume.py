@@ -35,7 +35,13 @@ def _argv(run_dir: Path, steps: int) -> list[str]:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "FLEET_TRAINING_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    # the runs here train the same data: tokenized once (FLEET_DATA_CACHE), not per run
+    return {
+        **os.environ,
+        "FLEET_TRAINING_CACHE": str(cache),
+        "FLEET_DATA_CACHE": str(cache / "data"),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _run(run_dir: Path, steps: int, cache: Path) -> None:
