@@ -331,11 +331,22 @@ def test_drift_rebuild_failed_rebuild_rollback_gc(tmp_path: Path, repo: Path) ->
         assert left == sorted(["smoke", *kept])
 
 
+def _open_files(pid: int) -> set[str]:
+    """What ``pid``'s descriptors point at now; one closed between the listing and its readlink
+    (a starting ``tail`` opens and closes a few) is simply not there."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            found.add(os.readlink(fd))
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def _wait_until_open(pid: int, path: Path) -> None:
     """Block until process ``pid`` holds ``path`` open (bounded; not a speed assertion)."""
     for _ in range(200):
-        fds = Path(f"/proc/{pid}/fd")
-        if any(os.readlink(fd) == str(path) for fd in fds.iterdir()):
+        if str(path) in _open_files(pid):
             return
         time.sleep(0.05)
     pytest.fail(f"pid {pid} never opened {path}")
