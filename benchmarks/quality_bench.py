@@ -157,7 +157,8 @@ def cmd_packages_regen(args: argparse.Namespace) -> None:
 def start_packages_regen(args: argparse.Namespace) -> subprocess.Popen:
     argv = [sys.executable, str(Path(__file__).resolve()), "packages-regen", "--out", str(args.out)]
     argv += ["--config", CONFIG, f"--packages-prompts={args.packages_prompts}"]
-    argv += [f"--regen-batch={args.regen_batch}", *(f"--set={o}" for o in EXTRA)]
+    # args.set, not EXTRA: the child adds the reference shape itself
+    argv += [f"--regen-batch={args.regen_batch}", *(f"--set={o}" for o in args.set)]
     log(f"packages rows regenerated beside: {' '.join(argv[1:])}")
     with open(args.out / "packages-regen.log", "w") as out:
         return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -520,7 +521,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for arm in args.diag.split(","):
         last = points(arm_steps(args, arm), args.points)[-1]
         folder = args.out / "exports" / f"{arm}-{last}"
-        key = "diagnostic" if arm == "fleet" else f"diagnostic-{arm}"
+        key = f"diagnostic-{arm}"
         if folder.is_dir() and key not in results:
             results[key] = {
                 "arm": arm,
@@ -566,7 +567,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         if label.startswith("diagnostic"):
             t, h = diag.get("train") or {}, diag.get("held_out") or {}
             lines.append(
-                f"\nmemorisation check, {diag.get('arm', 'fleet')} step {diag['step']}: training prompts "
+                f"\nmemorisation check, {diag['arm']} step {diag['step']}: training prompts "
                 f"tau {t.get('tau_mean')}, held-out {h.get('tau_mean')} ({args.diag_prompts} each)"
             )
     text = "\n".join(lines)
@@ -621,11 +622,11 @@ def cmd_all(args: argparse.Namespace) -> None:
         guarded("features", cmd_features, args)
         guarded("specforge", cmd_specforge, args)
 
-    def packages(parallel: bool) -> None:
+    def packages() -> None:  # --concurrent: the packages rows, then their levers at once
         if early is not None:
             log(f"packages rows regenerated: exit {early.wait()}")
         guarded("packages-data", cmd_packages_data, args)
-        with ThreadPoolExecutor(max_workers=len(more) if parallel else 1) as pool:
+        with ThreadPoolExecutor(max_workers=len(more)) as pool:
             list(pool.map(lever, more))
 
     first = [lambda: guarded("fleet", cmd_fleet, args)] if "fleet" in args.arms else []
@@ -633,7 +634,7 @@ def cmd_all(args: argparse.Namespace) -> None:
     first += [lambda lv=lv: lever(lv) for lv in base]
     with ThreadPoolExecutor(max_workers=len(first) + 1) as pool:
         if args.concurrent:
-            later = pool.submit(packages, True) if more else None
+            later = pool.submit(packages) if more else None
             list(pool.map(lambda job: job(), first))
         else:
             for job in first:

@@ -332,11 +332,12 @@ class HiddenCache:
     def forward(
         self, model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: Sequence[int]
     ) -> torch.Tensor:
-        """``target_forward`` of the batch, the target run only on the rows not seen before."""
+        """``target_forward`` of the batch, the target run only when a row was not seen before."""
         keys = [input_ids[r, : int(n)].cpu().numpy().tobytes() for r, n in enumerate(lengths.tolist())]
         missing = [r for r, key in enumerate(keys) if key not in self.rows]
         self.hits += len(keys) - len(missing)
         self.misses += len(missing)
+        fresh = None
         if missing:
             # The whole batch, at its bucket's shape: a compiled target forward is compiled for
             # those shapes alone, and a narrower or shorter batch of the missing rows would
@@ -350,6 +351,7 @@ class HiddenCache:
             (*input_ids.shape, features), dtype=self.rows[keys[0]].dtype, device=input_ids.device
         )
         for r, key in enumerate(keys):
-            row = self.rows[key]
-            out[r, : row.shape[0]] = row.to(input_ids.device)
+            n = int(lengths[r])
+            # a row just computed is already on the device: no copy back from the CPU
+            out[r, :n] = fresh[r, :n] if fresh is not None and r in missing else self.rows[key].to(out.device)
         return out
