@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from training.contract import DATA_CACHE_ENV
+
 if TYPE_CHECKING:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -164,9 +166,14 @@ def toml_value(value: Any) -> str:
 
 
 def render_inventory(targets: Mapping[str, Mapping[str, Any]], default_target: str) -> str:
-    """An inventory text; each target's dict values become `[targets.NAME.KEY]` tables."""
+    """An inventory text; each target's dict values become `[targets.NAME.KEY]` tables. A local
+    target's runs get the session's tokenized-data cache (tests/conftest.py) unless they name one."""
     lines = [f"default_target = {toml_value(default_target)}", ""]
+    shared = os.environ.get(DATA_CACHE_ENV, "")
     for name, spec in targets.items():
+        run = spec.get("run")
+        if shared and spec.get("host") == "local" and isinstance(run, Mapping):
+            spec = {**spec, "run": {**run, "env": {DATA_CACHE_ENV: shared, **run.get("env", {})}}}
         lines.append(f"[targets.{name}]")
         tables = {k: v for k, v in spec.items() if isinstance(v, Mapping) and k != "container"}
         for key, value in spec.items():

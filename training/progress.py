@@ -4,7 +4,9 @@ A phase that can take minutes (converting the GGUF, regenerating the data, token
 target, compiling, evaluating, writing a checkpoint) wraps its work in ``Progress``: the work calls
 ``update(done)`` as units complete (replies, records, shapes, tokens), and a background thread
 writes a ``progress`` event every ``every_s`` seconds (and one at the start and the end) whether or
-not a unit completed since the last one. ``fab status`` shows the phase's fraction and ETA from
+not a unit completed since the last one. Progresses nest: a phase opens one over its whole span
+(so it reports from its first second, before any stage of it reports), and while a stage's own
+``Progress`` runs inside it only the innermost beats. ``fab status`` shows the phase's fraction and ETA from
 those events, and its stall detection sees a phase that reports as alive, however long one unit
 takes. The cadence is by time, not by units: a unit of minutes still gives an event every
 ``every_s``.
@@ -48,6 +50,8 @@ class _Sink:
 
 
 _sink = _Sink()
+_open: list[Progress] = []  # the Progresses entered and not yet left, innermost last
+_open_lock = threading.Lock()
 
 
 def report_to(events: Any | None, echo: Callable[[str], None] | None = None) -> None:
@@ -139,9 +143,14 @@ class Progress:
 
     def _beat(self) -> None:
         while not self._finished.wait(self._every_s):
-            self.report()
+            with _open_lock:
+                innermost = not _open or _open[-1] is self
+            if innermost:  # an outer one waits while a stage inside it reports its own fraction
+                self.report()
 
     def __enter__(self) -> Progress:
+        with _open_lock:
+            _open.append(self)
         self.report()
         self._thread = threading.Thread(target=self._beat, name=f"progress-{self.phase}", daemon=True)
         self._thread.start()
@@ -151,6 +160,9 @@ class Progress:
         self._finished.set()
         if self._thread is not None:
             self._thread.join()
+        with _open_lock:
+            if self in _open:
+                _open.remove(self)
         if exc_type is None:
             self.update(self.total if self.total > 0 else self.done)
             self.report(force_echo=self._echo is not None and self.done > 0)

@@ -46,6 +46,32 @@ def test_progress_reports_by_time_while_a_unit_takes_long(tmp_path: Path) -> Non
     assert all(validate_event(e) == [] for e in events)
 
 
+def test_a_phase_wide_progress_reports_first_and_is_quiet_while_a_stage_inside_reports() -> None:
+    """The outer Progress reports on entry; while an inner one is open only the inner beats;
+    after it the outer beats again."""
+    seen: list[tuple[str, float]] = []
+    inner_beats, outer_back = threading.Event(), threading.Event()
+
+    def emit(**fields: Any) -> None:
+        seen.append((fields["what"], fields["done"]))
+        if fields["what"] == "stage" and len(seen) >= 6:
+            inner_beats.set()
+        if fields["what"] == "phase" and fields["done"] == 1 and len(seen) > 8:
+            outer_back.set()
+
+    with Progress("load_data", "phase", 2, "stages", emit=emit, every_s=0.01) as outer:
+        assert seen[0] == ("phase", 0.0)
+        with Progress("load_data", "stage", 5, "tokens", emit=emit, every_s=0.01):
+            assert inner_beats.wait(60), "the inner Progress wrote no beats"
+            during = len(seen)
+        outer.advance()
+        assert outer_back.wait(60), "the outer Progress did not beat again after the stage"
+    first_inner = seen.index(("stage", 0.0))
+    outer_during = [item for item in seen[first_inner:during] if item[0] == "phase"]
+    assert len(outer_during) <= 1, outer_during  # one outer beat may be in flight as the inner enters
+    assert seen[-1] == ("phase", 2.0)
+
+
 def test_progress_echoes_only_when_it_moved() -> None:
     lines: list[str] = []
     p = Progress("load_data", "regenerating", 100, "tokens", echo=lines.append, echo_every_s=0.0)

@@ -60,6 +60,7 @@ from training.model.target import (
     describe_layers,
     layer_types,
     load_model,
+    load_tokenizer,
     model_source,
     resolve_device,
     resolve_dtype,
@@ -412,6 +413,19 @@ def data_report(config: RunConfig, tokenizer: Any, default_cache: Path):  # -> D
         config, tokenizer, default_cache_dir(config.model.cache_dir), data_cache_dir(config, default_cache)
     )
     return report
+
+
+def prepare_data(config: RunConfig, default_cache: Path, echo: Echo = print) -> tuple[str, Any, TrainData]:
+    """The load_data phase: the model folder, its tokenizer and the tokenized data. One Progress
+    spans it, so the phase reports from its first second: a cold read of the model file or the
+    first import of transformers can take longer than the cadence before a stage reports."""
+    with Progress("load_data", "preparing the model and data", 3, "stages") as progress:
+        folder, tok_dir = model_source(config)
+        progress.advance()
+        tokenizer = load_tokenizer(tok_dir)
+        progress.advance()
+        data = load_train_data(config, tokenizer, default_cache, echo)
+    return folder, tokenizer, data
 
 
 def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo: Echo = print) -> TrainData:

@@ -50,7 +50,7 @@ from training.config import ConfigError, RunConfig, TrainingError, load_config, 
 from training.data.buckets import Position
 from training.data.dataset import Batch, TrainData
 from training.events import EventWriter, first_line
-from training.model.target import is_compiled, load_tokenizer, model_source, num_layers, target_forward
+from training.model.target import is_compiled, model_source, num_layers, target_forward
 from training.progress import report_to
 from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite, check_resumable
@@ -106,10 +106,8 @@ class Worker:
         then the rest."""
         if self.ctx.rank != 0:
             self.barrier()
-        folder, tok_dir = model_source(self.config)
-        tokenizer = load_tokenizer(tok_dir)
-        data = core.load_train_data(
-            self.config, tokenizer, self.run_dir / core.DATA_CACHE
+        folder, tokenizer, data = core.prepare_data(
+            self.config, self.run_dir / core.DATA_CACHE
         )  # drafters: their shapes
         if self.ctx.rank == 0:
             self.barrier()

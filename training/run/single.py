@@ -33,8 +33,6 @@ from training.events import EventWriter, print0
 from training.model.target import (
     HiddenCache,
     is_compiled,
-    load_tokenizer,
-    model_source,
     num_layers,
     resolve_device,
     target_forward,
@@ -107,9 +105,7 @@ class Trainer:
         if core.compiles(cfg, self.device):
             start_workers(self.device)  # ready by the first compile, which comes after the loads
         self._phase("load_data")
-        folder, tok_dir = model_source(cfg)
-        self.tokenizer = load_tokenizer(tok_dir)
-        self.data = core.load_train_data(cfg, self.tokenizer, self.run_dir / core.DATA_CACHE, print0)
+        folder, self.tokenizer, self.data = core.prepare_data(cfg, self.run_dir / core.DATA_CACHE, print0)
         if not quiet_data:
             core.announce_buckets(self.data, self.events, print0)
 
