@@ -46,7 +46,8 @@ TRAINER_PACKAGES = {"torch", "transformers", "datasets", "tokenizers", "numpy", 
 
 
 _OWNS_MARKER = pytest.StashKey[bool]()
-_OWN_DATA_CACHE = pytest.StashKey[str]()
+_OWN_CACHES = pytest.StashKey[list[str]]()
+TRAINING_CACHE_ENV = "FLEET_TEST_TRAINING_CACHE"  # the test fixtures' FLEET_TRAINING_CACHE
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -68,10 +69,16 @@ def pytest_configure(config: pytest.Config) -> None:
         # ~4 s of a tiny run's ~13 s. The cache is keyed by the data's bytes, the tokenizer and
         # max_length (training.data.dataset.content_key) and written aside and renamed, so runs
         # of other data never read it and runs at once share it safely, as a workdir's runs do.
-        if DATA_CACHE_ENV not in os.environ:
-            config.stash[_OWN_DATA_CACHE] = os.environ[DATA_CACHE_ENV] = tempfile.mkdtemp(
-                prefix="fleet-suite-data-cache-"
-            )
+        # The same for the trainer's model cache (the tiny model, SmolLM2's GGUF converted, the
+        # targets' regenerated sets), read by the fixtures that name FLEET_TEST_TRAINING_CACHE:
+        # built once a session, not once a worker or a module. Also keyed by what they hold
+        # (model, prompts, settings) and written aside and renamed.
+        owned = []
+        for name, prefix in ((DATA_CACHE_ENV, "data"), (TRAINING_CACHE_ENV, "training")):
+            if name not in os.environ:
+                os.environ[name] = tempfile.mkdtemp(prefix=f"fleet-suite-{prefix}-cache-")
+                owned.append(os.environ[name])
+        config.stash[_OWN_CACHES] = owned
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -134,9 +141,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[N
     result = yield
     if hasattr(session.config, "workerinput"):
         return result
-    data_cache = session.config.stash.get(_OWN_DATA_CACHE, "")
-    if data_cache:
-        shutil.rmtree(data_cache, ignore_errors=True)
+    for cache in session.config.stash.get(_OWN_CACHES, []):
+        shutil.rmtree(cache, ignore_errors=True)
     if not session.config.stash.get(_OWNS_MARKER, False):
         return result
     left = testkit.leftovers()

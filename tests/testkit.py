@@ -307,13 +307,13 @@ def _fab_in_process(args: list[str], env: dict[str, str]) -> subprocess.Complete
     return subprocess.CompletedProcess([str(FAB), *args], code, out.getvalue(), err.getvalue())
 
 
-@pytest.fixture
-def remote_fleet(hosts: TestHost, tmp_path: Path) -> Iterator[RemoteFleet]:
-    """fleet.toml in tmp_path with target `ct200`, a fresh workdir and a private tmux server.
+@contextmanager
+def remote_fleet_at(hosts: TestHost, base: Path) -> Iterator[RemoteFleet]:
+    """fleet.toml in ``base`` with target `ct200`, a fresh workdir and a private tmux server.
 
     Several suites (and benchmarks) share container 200; each test's `commands.tmux` is a
     two-line wrapper in the container around the real tmux with its own socket (`tmux -L`),
-    so their `fleet-run` sessions never meet. Everything is removed after the test.
+    so their `fleet-run` sessions never meet. Everything is removed afterwards.
     """
     label = f"fleet-test-{uuid.uuid4().hex[:10]}"
     workdir = f"/workspace/{label}"
@@ -323,19 +323,28 @@ def remote_fleet(hosts: TestHost, tmp_path: Path) -> Iterator[RemoteFleet]:
     wrapper.chmod(0o755)
     target = ct200_target(hosts, workdir)
     target["commands"] = {**target["commands"], "tmux": tmux}
-    fleet = RemoteFleet(hosts, tmp_path / "fleet.toml", workdir, target)
+    fleet = RemoteFleet(hosts, base / "fleet.toml", workdir, target)
     fleet.write()
-    yield fleet
-    # A run survives its tmux server (run.sh ignores SIGHUP): stop it the fleet way, then kill
-    # whatever still names this test's unique workdir, then remove the test's files.
-    fleet.write(**target)
     try:
-        fleet.fab("stop", "--force", timeout=60)
-    except subprocess.TimeoutExpired:
-        pass  # the kill below is the safety net
-    hosts.pct_exec("tmux", "-L", label, "kill-server", check=False)
-    kill_processes_naming(workdir)
-    hosts.pct_exec("rm", "-rf", "--", workdir, tmux, check=False)
+        yield fleet
+    finally:
+        # A run survives its tmux server (run.sh ignores SIGHUP): stop it the fleet way, then kill
+        # whatever still names this workdir, then remove its files.
+        fleet.write(**target)
+        try:
+            fleet.fab("stop", "--force", timeout=60)
+        except subprocess.TimeoutExpired:
+            pass  # the kill below is the safety net
+        hosts.pct_exec("tmux", "-L", label, "kill-server", check=False)
+        kill_processes_naming(workdir)
+        hosts.pct_exec("rm", "-rf", "--", workdir, tmux, check=False)
+
+
+@pytest.fixture
+def remote_fleet(hosts: TestHost, tmp_path: Path) -> Iterator[RemoteFleet]:
+    """A test's own `remote_fleet_at`: fleet.toml in tmp_path, a fresh workdir, removed after."""
+    with remote_fleet_at(hosts, tmp_path) as fleet:
+        yield fleet
 
 
 def kill_processes_naming(text: str) -> list[int]:

@@ -7,6 +7,19 @@ finishes; then a plain `fab train` starts a new run (the latest one finished), w
 uninterrupted and must log the very same losses at every step. A changed drafter setting is
 refused before launch in one line naming the key. With `restart = { max = 2 }` a trainer killed
 mid-run comes back by itself (attempt 2) and finishes; a config error is not retried.
+
+A bad checkpoint never loses a run: stopped by `fab stop`, the newest checkpoint is damaged on the
+target as a disk or a copy would (a few KB overwritten inside it, which torch.load does not notice;
+then, on the next stop, the file cut short). Each time `fab train` names the bad checkpoint in one
+line and resumes from the previous one; the trainer renames the bad one aside (never deletes it)
+and `fab status` shows it; the run finishes with every step once. A learning rate that makes the
+loss overflow fails the run before it checkpoints that step, with that cause, not retried.
+
+The user's own data: a SpecForge-format file and a raw ShareGPT file, unchanged, reported by `fab
+data` and trained by `fab deploy train`.
+
+The scenarios share one workdir (their env, torch's thousands of files, built once by the first
+deploy); each starts from the target as first written and a fresh run, and leaves no live run.
 """
 
 from __future__ import annotations
@@ -81,7 +94,7 @@ def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
         holder["st"] = status(fleet)
         return holder["st"]["state"] in ("finished", "stopped", "failed") and holder["st"]["alive"] is False
 
-    testkit.wait_for("the run to end", final, timeout=600, interval=1.0)
+    testkit.wait_for("the run to end", final, timeout=1800, interval=1.0)
     return holder["st"]
 
 
@@ -159,12 +172,22 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def shared_fleet(hosts: TestHost, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteFleet]:
+    """One workdir for the module's scenarios; its env (torch: thousands of files) removed with
+    time to spare first."""
+    with testkit.remote_fleet_at(hosts, tmp_path_factory.mktemp("lifecycle")) as fleet:
+        yield fleet
+        fleet.fab("stop", "--force", timeout=120)
+        hosts.pct_exec("rm", "-rf", "--", f"{fleet.workdir}/envs", check=False, timeout=900)
+
+
 @pytest.fixture
-def torch_fleet(remote_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
-    """remote_fleet whose env (torch: thousands of files) is removed with time to spare first."""
-    yield remote_fleet
-    remote_fleet.fab("stop", "--force", timeout=120)
-    remote_fleet.hosts.pct_exec("rm", "-rf", "--", f"{remote_fleet.workdir}/envs", check=False, timeout=900)
+def torch_fleet(shared_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
+    """The shared workdir with the target as first written; no run left live after the test."""
+    shared_fleet.write(**shared_fleet.defaults)
+    yield shared_fleet
+    shared_fleet.fab("stop", "--force", timeout=120)
 
 
 def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None:
@@ -336,3 +359,160 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
         if path.is_file() and not path.is_symlink():
             data = path.read_bytes()
             assert token.encode() not in data and bearer.encode() not in data, path
+
+
+# Room after the second stop (at step 22): with 40 the tiny run could finish before `fab stop` landed
+CKPT_STEPS = 64
+# The lifecycle's data (the tiny corpus): tokenized once into the workdir's data cache, read here
+CKPT_RUN = {
+    "module": "training",
+    "config": "tiny-cpu",
+    "overrides": [
+        f"--train.steps={CKPT_STEPS}",
+        "--checkpoint.every=4",
+        "--checkpoint.keep=3",
+        "--train.log_every=1",
+        "--eval.num_prompts=0",
+    ],
+    "env": {},
+}
+
+
+def saved_steps(hosts: TestHost, run_dir: str) -> list[int]:
+    return sorted(int(p.name[5:13]) for p in hosts.ct_path(f"{run_dir}/checkpoints").glob("step-*.pt"))
+
+
+def overwrite_inside(hosts: TestHost, path: str) -> None:
+    """4 KB overwritten in the middle of the file, its length unchanged (dd on the target)."""
+    size = hosts.ct_path(path).stat().st_size
+    hosts.pct_exec(
+        "dd", "if=/dev/urandom", f"of={path}", "bs=4096", "count=1", f"seek={size // 8192}", "conv=notrunc"
+    )
+
+
+def reach_step(fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int) -> None:
+    """Wait for step ``at`` of the live run; a run that ended first fails the test with its log."""
+
+    def there() -> bool:
+        if last_step(hosts, run_dir) >= at:
+            return True
+        st = status(fleet)
+        assert st["alive"] is not False, (st["state"], st["diagnosis"], fleet.fab("logs").stdout[-3000:])
+        return False
+
+    testkit.wait_for(f"step {at}", there, timeout=1800, interval=2.0)
+
+
+def stop_and_damage(
+    fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int, damage: str
+) -> tuple[int, int]:
+    """Wait for step ``at``, `fab stop`, damage the newest checkpoint; (its step, the one before)."""
+    reach_step(fleet, hosts, run_dir, at)
+    stopped = fleet.fab("stop")
+    if stopped.returncode == 5:  # "still running 60s after SIGTERM": a loaded machine; it is stopping
+        wait_final(fleet)
+    else:
+        ok(stopped)
+    saved = saved_steps(hosts, run_dir)
+    assert len(saved) >= 2 and saved[-1] < CKPT_STEPS, saved
+    newest = f"{run_dir}/checkpoints/step-{saved[-1]:08d}.pt"
+    if damage == "overwrite":
+        overwrite_inside(hosts, newest)
+    else:
+        hosts.pct_exec("truncate", "-s", str(hosts.ct_path(newest).stat().st_size // 2), newest)
+    return saved[-1], saved[-2]
+
+
+def test_a_bad_checkpoint_is_set_aside_and_a_non_finite_loss_fails_the_run(torch_fleet: RemoteFleet) -> None:
+    fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
+    fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=CKPT_RUN)
+    ok(fleet.fab("deploy", "train", "--no-warm", "--fresh", timeout=1200))
+    run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+    run_dir = f"{workdir}/runs/{run_id}"
+
+    resumes = []
+    for at, damage, reason in ((9, "overwrite", "sha256 mismatch"), (22, "truncate", "truncated")):
+        bad, previous = stop_and_damage(fleet, hosts, run_dir, at, damage)
+        resumed = ok(fleet.fab("train", "--no-warm"))
+        named = [line for line in resumed.stdout.splitlines() if f"checkpoint step {bad} (" in line]
+        assert len(named) == 1 and reason in named[0] and "failed its check" in named[0], resumed.stdout
+        m = RESUMED.search(resumed.stdout)
+        assert m and m.group(1) == run_id and int(m.group(2)) == previous + 1, resumed.stdout
+        assert m.group(3).endswith(f"step-{previous:08d}.pt")
+        aside = f"{run_dir}/checkpoints/step-{bad:08d}.pt.bad"
+        testkit.wait_for(
+            "the bad checkpoint set aside", lambda a=aside: hosts.ct_path(a).exists(), timeout=300
+        )
+        resumes.append(previous)
+        note = f"checkpoint step {bad} failed its check ({reason}"
+        testkit.wait_for(  # the event follows once the trainer resumes (after loading data and models)
+            "fab status to note it",
+            lambda note=note: any(note in n for n in status(fleet)["notes"]),
+            timeout=1800,
+            interval=2.0,
+        )
+
+    st = wait_final(fleet)
+    assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", CKPT_STEPS), st
+    assert [h["step"] for h in st["history"]] == list(range(1, CKPT_STEPS + 1))  # every step once
+    assert [e["step"] for e in events(hosts, run_dir) if e["event"] == "resume"] == resumes
+    assert len(list(hosts.ct_path(f"{run_dir}/checkpoints").glob("*.pt.bad"))) == 2  # kept, not deleted
+
+    # A loss that overflows: failed with its cause before that step is saved; never retried.
+    overflow = [*CKPT_RUN["overrides"], "--checkpoint.every=1", "--train.lr=1e12", "--train.warmup_steps=1"]
+    fleet.write(run={**CKPT_RUN, "overrides": overflow, "restart": {"max": 2, "backoff_s": 1}})
+    ok(fleet.fab("train", "--no-warm", "--fresh"))
+    st2 = wait_final(fleet)
+    assert (st2["state"], st2["attempt"]) == ("failed", 1), st2
+    assert st2["last_cause"] == "non-finite-loss (not retryable)", st2
+    (diag,) = st2["diagnosis"]
+    bad_step = int(re.search(r"at step (\d+)", diag["cause"]).group(1))  # type: ignore[union-attr]
+    assert diag["signature"] == "non-finite-loss" and bad_step >= 2, diag
+    run2_dir = f"{workdir}/runs/{st2['run_id']}"
+    assert saved_steps(hosts, run2_dir) == list(range(1, bad_step)), "a checkpoint at or after the bad step"
+
+
+DATA_STEPS = 4
+QUESTIONS = [f"Write a function that returns {i} times its argument." for i in range(24)]
+
+
+def _specforge(i: int, q: str) -> dict[str, Any]:
+    turns = [("user", q), ("assistant", f"def times_{i}(x):\n    return {i} * x\n"), ("user", "And a test?")]
+    turns.append(("assistant", f"assert times_{i}(2) == {2 * i}\n"))
+    return {"id": f"s{i}", "conversations": [{"role": r, "content": c} for r, c in turns]}
+
+
+def _sharegpt(i: int, q: str) -> dict[str, Any]:
+    roles = {"user": "human", "assistant": "gpt"}
+    turns = _specforge(i, q)["conversations"]
+    return {
+        "id": f"g{i}",
+        "conversations": [{"from": roles[t["role"]], "value": t["content"]} for t in turns],
+    }
+
+
+@pytest.mark.slow
+def test_specforge_and_sharegpt_files_train_through_fab(torch_fleet: RemoteFleet) -> None:
+    fleet, hosts = torch_fleet, torch_fleet.hosts
+    data_dir = f"{fleet.workdir}-data"
+    local = hosts.ct_path(data_dir)
+    local.mkdir(parents=True)
+    try:
+        for fmt, make in (("specforge", _specforge), ("sharegpt", _sharegpt)):
+            path = local / f"{fmt}.jsonl"
+            path.write_text("".join(json.dumps(make(i, q)) + "\n" for i, q in enumerate(QUESTIONS)))
+            overrides = [
+                f"--train.steps={DATA_STEPS}",
+                "--eval.num_prompts=0",
+                f"--data.path={data_dir}/{fmt}.jsonl",
+            ]
+            fleet.write(
+                env="local-cpu", uv_cache=UV_CACHE, run={"config": "tiny-cpu", "overrides": overrides}
+            )
+            report = ok(fleet.fab("deploy", "data", timeout=1200)).stdout
+            assert f"format {fmt}: 24 records, 24 kept" in report and "Batches per epoch:" in report, report
+            ok(fleet.fab("train", "--no-warm", "--fresh", timeout=600))
+            st = wait_final(fleet)
+            assert (st["state"], st["step"]) == ("finished", DATA_STEPS), st
+    finally:
+        hosts.pct_exec("rm", "-rf", "--", data_dir, check=False)

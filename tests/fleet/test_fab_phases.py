@@ -1,5 +1,6 @@
 """Through `fab` on the local target (real tmux, the real trainer): `fab status` shows every long
-phase with its fraction and ETA, and `fab stop` stops the run in the data phase and in the eval."""
+phase with its fraction and ETA, and `fab stop` (SIGTERM outside the step loop) stops the run at
+once in the data phase and in the eval, exit 0, saying what a resume will find."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from typing import Any
 
 import pytest
 from testkit import LocalTmux, fab, phase_progress_gaps, render_inventory
+
+from training.contract import EVENTS_FILE
+from training.events import read_events, validate_event
+from training.run.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -91,8 +96,16 @@ def test_status_shows_each_long_phase_with_a_fraction_and_an_eta(
     assert "finished" in text and "6/6" in text
 
 
+def _run_events(tmp_path: Path) -> list[dict[str, Any]]:
+    """The latest run's events, each valid under the events contract."""
+    events = read_events(tmp_path / "wd" / "runs" / "latest" / EVENTS_FILE)
+    assert all(validate_event(e) == [] for e in events)
+    return events
+
+
 def test_fab_stop_in_the_data_phase(local_tmux: LocalTmux, tmp_path: Path, training_cache: Path) -> None:
-    """The tiny target regenerating many replies: stopped there, it says a resume starts over."""
+    """The tiny target regenerating many replies: stopped there at once (exit 0), it says a resume
+    starts over, and leaves no step, no checkpoint and no half-written set."""
     overrides = ["--data.regenerate=true", "--data.regen_prompts=600", "--data.regen_batch_size=2"]
     config = _fleet(tmp_path, training_cache, "tiny-cpu", overrides)
     env = {"TMUX_TMPDIR": str(local_tmux.socket_dir)}
@@ -102,7 +115,34 @@ def test_fab_stop_in_the_data_phase(local_tmux: LocalTmux, tmp_path: Path, train
     seconds, st = _stop(config, env)
     assert st["state"] == "stopped" and st["exit_code"] == 10
     assert "stopped during load_data: `fab train` starts the run again from step 1" in " ".join(st["notes"])
+    events = _run_events(tmp_path)
+    last = events[-1]
+    assert (last["event"], last["phase"], last["during"], last["resume_step"]) == (
+        "phase", "stopped", "load_data", 0
+    )  # fmt: skip
+    run_dir = (tmp_path / "wd" / "runs" / "latest").resolve()
+    assert not any(e["event"] == "step" for e in events) and list_checkpoints(run_dir) == []
+    log = (run_dir / "train.log").read_text()
+    assert "`fab train` starts at step 1 (no checkpoint)" in log and "Traceback" not in log
+    planned = _planned_regen(training_cache, overrides)
+    assert not list(planned.parent.glob(f".{planned.name}.*.tmp"))  # nothing half-written left
     print(f"fab stop in the data phase: the run ended {seconds:.1f}s after SIGTERM")
+
+
+def _planned_regen(cache: Path, overrides: list[str]) -> Path:
+    """The regenerated set a tiny-cpu run with ``overrides`` trains on (in ``cache``)."""
+    from training.config import load_config
+    from training.run.core import planned_regen_file
+
+    saved = os.environ.get("FLEET_TRAINING_CACHE")
+    os.environ["FLEET_TRAINING_CACHE"] = str(cache)
+    try:
+        return planned_regen_file(load_config("tiny-cpu", overrides))
+    finally:
+        if saved is None:
+            os.environ.pop("FLEET_TRAINING_CACHE", None)
+        else:
+            os.environ["FLEET_TRAINING_CACHE"] = saved
 
 
 def test_fab_stop_in_the_eval(local_tmux: LocalTmux, tmp_path: Path, training_cache: Path) -> None:
@@ -117,4 +157,10 @@ def test_fab_stop_in_the_eval(local_tmux: LocalTmux, tmp_path: Path, training_ca
     seconds, st = _stop(config, env)
     assert st["state"] == "stopped" and st["step"] == 2
     assert "stopped during eval: `fab train` resumes from the checkpoint of step 2" in " ".join(st["notes"])
+    events = _run_events(tmp_path)
+    last = events[-1]
+    assert (last["phase"], last["during"], last["resume_step"]) == ("stopped", "eval", 2)
+    assert not any(e["event"] == "eval" for e in events)  # the eval never finished
+    run_dir = (tmp_path / "wd" / "runs" / "latest").resolve()
+    assert [step for step, _ in list_checkpoints(run_dir)] == [2]  # the trained step is kept
     print(f"fab stop in the eval: the run ended {seconds:.1f}s after SIGTERM")

@@ -18,7 +18,8 @@ else:
 
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A private FLEET_TRAINING_CACHE (the tiny model + corpus are built once per session)."""
+    """The FLEET_TRAINING_CACHE of the trainer tests: the session's (tests/conftest.py), else this
+    worker's own (the tiny model, corpus, converted SmolLM2 and regenerated sets built once)."""
     folder = Path(os.environ.get("FLEET_TEST_TRAINING_CACHE") or tmp_path_factory.mktemp("training-cache"))
     previous = os.environ.get("FLEET_TRAINING_CACHE")
     os.environ["FLEET_TRAINING_CACHE"] = str(folder)

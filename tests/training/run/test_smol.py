@@ -159,13 +159,13 @@ def test_the_data_is_the_targets_own_greedy_replies(smol_run: Path) -> None:
     """The regenerated set is shipped prompts and the target's greedy replies (re-checked for two
     prompts with plain ``generate``), and no input holds the reserved MASK token."""
     from training.config import read_config
-    from training.data.corpus import default_cache_dir
     from training.data.regen import shipped_prompts
     from training.model.target import build_target
+    from training.run.core import planned_regen_file
 
     config = read_config(smol_run)
-    files = sorted((default_cache_dir() / "regen").glob("regen-*.jsonl"))
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    # the run's own set (the cache is the session's: other targets' sets lie beside it)
+    records = [json.loads(line) for line in planned_regen_file(config).read_text().splitlines()]
     prompts = shipped_prompts(config.data.regen_prompts)
     ours = [r for r in records if r["messages"][0]["content"] in set(prompts)]
     assert len(ours) >= len(prompts)
