@@ -9,7 +9,8 @@ The suite runs on several pytest-xdist workers (pyproject's addopts: `-n auto`, 
   xdist's ``@group`` suffix on node ids is lost (pytest-dev/pytest-xdist#1386) and every test
   became a unit of its own (tests/test_suite_layout.py checks this);
 - modules with an ``exclusive_host`` test are handed out first (nothing holds the test host yet),
-  then modules with `slow` tests (the longest work starts early);
+  then the longest modules, longest first (``testkit.LONGEST_MODULES``), then modules with `slow`
+  tests (the longest work starts early, none is left alone at the end);
 - a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
   devices, /etc/hosts, mounts) runs while no other test uses the test host
   (``testkit.test_host_lock``); every other test that uses the host (the ``hosts`` fixture)
@@ -87,8 +88,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # A module with an exclusive_host test goes first, while nothing else holds the test host: later
     # it waits for the other worker's host tests to end (its worker idle: 108 s in a CI run).
     exclusive = {_module(item) for item in items if item.get_closest_marker("exclusive_host")}
-    # stable: file order kept otherwise
-    items.sort(key=lambda item: (_module(item) not in exclusive, _module(item) not in slow_modules))
+
+    # Then the longest modules, longest first: one started last would leave the other worker idle
+    # to the end (a 4-minute tail in a CI run); then the other slow ones; file order otherwise.
+    def rank(item: pytest.Item) -> tuple[bool, int, bool]:
+        module = _module(item)
+        longest = testkit.LONGEST_MODULES
+        position = longest.index(module) if module in longest else len(longest)
+        return module not in exclusive, position, module not in slow_modules
+
+    items.sort(key=rank)  # stable
 
 
 @pytest.hookimpl(wrapper=True)

@@ -76,3 +76,23 @@ def test_a_module_runs_on_one_worker_with_its_fixtures_built_once(tmp_path: Path
         assert len(workers) == 1, (mod, lines)
         assert sum(what == f"fixture {mod}" for what, _ in lines) == 1, lines
     assert len({worker for _, worker in lines}) == 2, lines  # and the work is spread
+
+
+def test_the_longest_modules_named_for_the_schedule_exist_and_go_first() -> None:
+    """testkit.LONGEST_MODULES name real modules (a renamed one would silently lose its place),
+    and a collection hands them out longest first, after at most the exclusive-host modules."""
+    for module in testkit.LONGEST_MODULES:
+        assert (testkit.REPO / module).is_file(), module
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
+        cwd=testkit.REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    order = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
+    first = order.index(testkit.LONGEST_MODULES[0])
+    assert order[first : first + len(testkit.LONGEST_MODULES)] == list(testkit.LONGEST_MODULES), order[:8]
+    assert first <= 2, order[:8]  # only the exclusive-host modules (two) before them

@@ -38,6 +38,15 @@ REPO = Path(__file__).resolve().parent.parent
 HOSTS_ENV = Path(os.environ.get("FLEET_TEST_HOSTS_ENV") or REPO / "tests" / "hosts" / ".state" / "hosts.env")
 FAB = REPO / ".venv" / "bin" / "fab"
 SETUP_HINT = "test host not set up: run tests/hosts/setup"
+# The suite's longest modules, longest first (seconds in a CI run on this 2-core VM, 2026-12-03,
+# benchmarks/RESULTS.md "CI time ... shared caches"): handed out first after the exclusive-host
+# modules (tests/conftest.py).
+LONGEST_MODULES = (
+    "tests/e2e/test_lifecycle_e2e.py",  # 596 s
+    "tests/e2e/test_fresh_machine.py",  # 342 s (its container's CPU besides)
+    "tests/training/run/test_smol.py",  # 311 s
+    "tests/training/test_topology.py",  # 282 s
+)
 
 
 @dataclass(frozen=True)
