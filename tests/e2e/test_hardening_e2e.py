@@ -66,6 +66,11 @@ def status_json(fleet: RemoteFleet) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
+def ended(data: dict[str, Any]) -> bool:
+    """Finished, and the process gone with its exit status recorded (it comes after the done event)."""
+    return data["state"] == "finished" and data.get("process_exit_code") is not None
+
+
 def run_selftest(fleet: RemoteFleet, overrides: list[str], env: dict[str, str] | None = None) -> None:
     fleet.write(
         run={"module": "training.selftest", "config": "selftest", "overrides": overrides, "env": env or {}}
@@ -284,7 +289,7 @@ def test_failed_launch_leaves_no_run_env_and_latest_unchanged(remote_fleet: Remo
     first = fleet.fab("deploy", "train", "--no-warm")
     assert first.returncode == 0, first.stderr
     previous = ct_readlink(hosts, f"{workdir}/runs/latest")
-    wait_for("the first run to finish", lambda: status_json(fleet)["state"] == "finished")
+    wait_for("the first run to end", lambda: ended(status_json(fleet)))
 
     tmux = fleet.target["commands"]["tmux"]
     broken = f"{tmux}-broken"  # the real tmux, except that it cannot create a session

@@ -42,6 +42,11 @@ def poll(fleet: RemoteFleet, done: Callable[[dict[str, Any]], bool], what: str, 
         time.sleep(0.3)
 
 
+def ended(data: dict[str, Any]) -> bool:
+    """Finished, and the process gone with its exit status recorded."""
+    return data["state"] == "finished" and data["process_exit_code"] is not None
+
+
 def start(fleet: RemoteFleet, *overrides: str) -> None:
     fleet.write(
         run={"module": "training.selftest", "config": "selftest", "overrides": list(overrides), "env": {}}
@@ -53,7 +58,8 @@ def start(fleet: RemoteFleet, *overrides: str) -> None:
 
 def test_status_moves_through_phases_to_finished(remote_fleet: RemoteFleet, tmp_path: Path) -> None:
     start(remote_fleet, "--selftest.steps=25", "--selftest.step_seconds=0.3")
-    seen, data, result = poll(remote_fleet, lambda d: d["state"] == "finished", "finished")
+    # "finished" comes with the done event; the exit status once the wrapper has written it after
+    seen, data, result = poll(remote_fleet, ended, "finished with an exit status")
     assert result.returncode == 0
     assert "training" in seen and seen[-1] == "finished"
     assert seen.index("training") < seen.index("finished")
