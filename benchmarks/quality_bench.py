@@ -29,7 +29,9 @@ same steps:
   and evaluated by fleet's evaluator (``python -m training eval --export``: greedy verification by
   the target, acceptance per round) on the held-out prompts, in parallel processes; the
   memorisation check evaluates fleet's last checkpoint on ``--diag-prompts`` training prompts and
-  as many held-out ones (``--eval.split=train``).
+  as many held-out ones (``--eval.split=train``). Where the ``dflash`` package is installed, each
+  export is also decoded by z-lab's own loop on the same held-out prompts (benchmarks/zlab_eval.py:
+  the second, independent evaluator; its figure beside fleet's in the report).
 - ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
   the markdown rows for benchmarks/RESULTS.md.
 
@@ -46,6 +48,7 @@ recorded and the next one runs. One H200: ``benchmarks/gpu/quality.sh``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -497,6 +500,24 @@ def eval_tau(
     return {"tau_mean": tau, "tau_prompt_mean": per_prompt, "line": line}
 
 
+def zlab_tau(args: argparse.Namespace, arm: str, folder: Path, label: str) -> dict | None:
+    """The second evaluator: z-lab's own decoding loop (the ``dflash`` package, benchmarks/zlab_eval.py)
+    on the same held-out prompts; None where the package is not installed or its run failed."""
+    if importlib.util.find_spec("dflash") is None:
+        return None
+    run_dir = args.out / (arm if arm != "specforge" else "fleet")
+    log_path = args.out / "evals" / f"zlab-{label}.log"
+    argv = [sys.executable, str(REPO / "benchmarks" / "zlab_eval.py"), "--run-dir", str(run_dir)]
+    argv += ["--export", str(folder), "--eval.split=held_out", f"--eval.num_prompts={args.held_out}"]
+    code = run_logged(argv, log_path)
+    found = [line for line in log_path.read_text().splitlines() if line.startswith("{")]
+    if code != 0 or not found:
+        log(f"z-lab eval {label}: exit {code}")
+        return None
+    data = json.loads(found[-1])
+    return {key: data[key] for key in ("tau_mean", "tau_prompt_mean", "rounds", "prompts", "dflash_version")}
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     (args.out / "exports").mkdir(parents=True, exist_ok=True)
     (args.out / "evals").mkdir(parents=True, exist_ok=True)
@@ -511,7 +532,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
             log(f"export {label} failed")
             return
         got = eval_tau(args, arm, folder, "held_out", args.held_out, label)
-        results[label] = {"arm": arm, "step": step, "held_out": got}
+        results[label] = {
+            "arm": arm,
+            "step": step,
+            "held_out": got,
+            "zlab": zlab_tau(args, arm, folder, label),
+        }
         log(f"eval {label}: {got and got['tau_mean']}")
         save(args.out, "evals", dict(results))  # each as it comes: a stopped job keeps the done ones
 
@@ -548,21 +574,29 @@ def save(out: Path, name: str, data: Any) -> None:
         tmp.replace(path)
 
 
-def curves(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+def curves(results: dict[str, Any], evaluator: str = "held_out") -> dict[str, list[tuple[int, float]]]:
+    """Each arm's (step, held-out tau per round) by fleet's eval (``held_out``) or z-lab's loop (``zlab``)."""
     found: dict[str, list[tuple[int, float]]] = {}
     for label, item in results.get("evals", {}).items():
-        if not label.startswith("diagnostic") and item.get("held_out"):
-            found.setdefault(item["arm"], []).append((item["step"], item["held_out"]["tau_mean"]))
+        if not label.startswith("diagnostic") and item.get(evaluator):
+            found.setdefault(item["arm"], []).append((item["step"], item[evaluator]["tau_mean"]))
     return {arm: sorted(points_) for arm, points_ in found.items()}
 
 
 def cmd_report(args: argparse.Namespace) -> None:
     results = json.loads((args.out / "results.json").read_text())
-    lines = ["| arm | exit | training s | held-out tau per step |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| arm | exit | training s | held-out tau per step | the same by z-lab's loop |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    zlab = curves(results, "zlab")
     for arm, curve in curves(results).items():
         run = results.get(arm, {})
         taus = ", ".join(f"{step}: {tau:.3f}" for step, tau in curve)
-        lines.append(f"| {arm} | {run.get('exit_code')} | {run.get('train_s') or 0:.1f} | {taus} |")
+        theirs = ", ".join(f"{step}: {tau:.3f}" for step, tau in zlab.get(arm, [])) or "not run"
+        lines.append(
+            f"| {arm} | {run.get('exit_code')} | {run.get('train_s') or 0:.1f} | {taus} | {theirs} |"
+        )
     for label, diag in results.get("evals", {}).items():
         if label.startswith("diagnostic"):
             t, h = diag.get("train") or {}, diag.get("held_out") or {}

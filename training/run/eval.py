@@ -51,6 +51,7 @@ class AcceptanceResult:
     new_tokens: int
     tau_per_prompt: tuple[float, ...] = ()  # each evaluated prompt's mean tau
     tau_prompt_mean: float = 0.0  # mean of tau_per_prompt
+    taus: tuple[tuple[int, ...], ...] = ()  # each evaluated prompt's tau of every round, in order
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -119,6 +120,7 @@ def evaluate_acceptance(
     hist = [0] * bs
     new_tokens = 0
     per_prompt: list[float] = []
+    every_round: list[tuple[int, ...]] = []
     was_training = drafter.training
     drafter.eval()
     try:
@@ -147,6 +149,7 @@ def evaluate_acceptance(
                     break
             new_tokens += produced
             per_prompt.append(sum(taus) / len(taus))
+            every_round.append(tuple(taus))
         progress(len(prompts) * max_new_tokens)
     finally:
         drafter.train(was_training)
@@ -160,4 +163,5 @@ def evaluate_acceptance(
         new_tokens=new_tokens,
         tau_per_prompt=tuple(per_prompt),
         tau_prompt_mean=sum(per_prompt) / max(len(per_prompt), 1),
+        taus=tuple(every_round),
     )
