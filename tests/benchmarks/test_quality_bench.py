@@ -122,3 +122,9 @@ def test_the_smol_drafter_has_the_reference_shape() -> None:
     )
     layers = select_target_layers(ref["num_target_layers"], config.drafter.num_target_layers)
     assert layers == ref["dflash_config"]["target_layer_ids"]
+    # and the rows of the benchmark's recorded runs: replies to the shipped corpus' prompts alone,
+    # generated in batches of 256 (the batch is part of the regenerated file's key)
+    from training.data.regen import shipped_prompts
+
+    assert shipped_prompts(config.data.regen_prompts, config.data.regen_sources) == shipped_prompts(3000)
+    assert config.data.regen_batch_size == 256
