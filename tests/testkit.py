@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from training.contract import DATA_CACHE_ENV
+from training.contract import DATA_CACHE_ENV, EXIT_CODE_FILE
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -616,6 +616,56 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0, interv
         if time.monotonic() > deadline:
             pytest.fail(f"gave up waiting for: {what}")
         time.sleep(interval)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host-view PIDs of the processes (the test containers' included) whose argv holds ``marker``."""
+    pids, needle = [], marker.encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_status(
+    fleet: RemoteFleet,
+    read: Callable[[], dict[str, Any]],
+    done: Callable[[dict[str, Any]], bool],
+    what: str,
+    timeout: float = 1800.0,
+    interval: float = 1.0,
+) -> dict[str, Any]:
+    """``read()`` (the test's `fab status --json`) until ``done`` holds for a state that comes with
+    the run's end; returned. Each `fab status` is a Python process and an SSH session (~1 s of CPU
+    beside the run it waits for), so between the first read and the next ones this waits on the
+    host's view of the container: until the run's wrapper has written its exit status, or no process
+    of the run (run.sh and what it starts hold the run dir in their argv) is left, as after a SIGKILL
+    to the group. Either way `fab status` then decides, as before."""
+    holder: dict[str, Any] = {}
+
+    def check() -> bool:
+        holder["st"] = read()
+        return done(holder["st"])
+
+    if check():
+        return holder["st"]
+    run_id = holder["st"].get("run_id")
+    if run_id:
+        run_dir = f"{fleet.workdir}/runs/{run_id}"
+        exit_file = fleet.hosts.ct_path(f"{run_dir}/{EXIT_CODE_FILE}")
+        wait_for(
+            f"{what}: its exit status or the end of its processes",
+            lambda: exit_file.exists() or not processes_with(run_dir),
+            timeout=timeout,
+            interval=0.5,
+        )
+    wait_for(what, check, timeout=timeout, interval=interval)
+    return holder["st"]
 
 
 # ------------------------------------------------------------------ tiny models and configs

@@ -115,7 +115,10 @@ record="$run_dir/$RUN_RECORD_FILE"
 printf '%s\n' "$run_json" > "$record.tmp" && mv -f -- "$record.tmp" "$record"
 # The pane starts as a placeholder so remain-on-exit is set before the run's command exists;
 # respawn-pane then replaces it: a run that dies at once still leaves its exit status readable.
-"$tmux" new-session -d -s "$session" -c "$rel_dir" sh -c 'sleep 3600' "$run_dir" \; \
+# The placeholder reads the pane's terminal and so ends when respawn-pane closes it: the hangup
+# signal alone can miss a child that has not yet made the terminal its own (under load a
+# `sleep 3600` placeholder outlived the launch by its hour).
+"$tmux" new-session -d -s "$session" -c "$rel_dir" sh -c 'cat > /dev/null' "$run_dir" \; \
     set-option -w -t "=$session:" remain-on-exit on \; \
     respawn-pane -k -t "=$session:" -c "$rel_dir" bash "$rel_dir/remote/run.sh" "$run_dir" "$rel_dir" "$@"
 # Wait (bounded) until run.sh has read run.env; a wrapper that cannot start leaves a dead pane.

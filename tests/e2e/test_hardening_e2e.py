@@ -66,6 +66,10 @@ def status_json(fleet: RemoteFleet) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
+def final(data: dict[str, Any]) -> bool:
+    return data["state"] in FINAL
+
+
 def ended(data: dict[str, Any]) -> bool:
     """Finished, and the process gone with its exit status recorded (it comes after the done event)."""
     return data["state"] == "finished" and data.get("process_exit_code") is not None
@@ -289,7 +293,7 @@ def test_failed_launch_leaves_no_run_env_and_latest_unchanged(remote_fleet: Remo
     first = fleet.fab("deploy", "train", "--no-warm")
     assert first.returncode == 0, first.stderr
     previous = ct_readlink(hosts, f"{workdir}/runs/latest")
-    wait_for("the first run to end", lambda: ended(status_json(fleet)))
+    testkit.wait_status(fleet, lambda: status_json(fleet), ended, "the first run to end")
 
     tmux = fleet.target["commands"]["tmux"]
     broken = f"{tmux}-broken"  # the real tmux, except that it cannot create a session
@@ -413,8 +417,7 @@ def test_full_disk_during_a_run_is_diagnosed(remote_fleet: RemoteFleet, ct_tmpfs
     run_selftest(fleet, [*big, "--selftest.checkpoint_bytes=64000000"])
     started = fleet.fab("deploy", "train", "--no-warm")
     assert started.returncode == 0, started.stdout + started.stderr
-    wait_for("the run to end", lambda: status_json(fleet)["state"] in FINAL, timeout=120)
-    st = status_json(fleet)
+    st = testkit.wait_status(fleet, lambda: status_json(fleet), final, "the run to end", timeout=120)
     assert st["state"] == "failed" and st["process_exit_code"] == 1, st
     assert [d["signature"] for d in st["diagnosis"]] == ["disk-full"], st["diagnosis"]
     assert "No space left on device" in st["diagnosis"][0]["cause"] + st["diagnosis"][0]["evidence"]
@@ -428,8 +431,7 @@ def test_sigkill_is_diagnosed_with_its_likely_causes(remote_fleet: RemoteFleet) 
     wait_for("the selftest process", lambda: bool(selftest_pids(run_dir)))
     for pid in selftest_pids(run_dir):
         os.kill(pid, 9)  # what the OOM killer does
-    wait_for("the run to end", lambda: status_json(fleet)["state"] in FINAL)
-    st = status_json(fleet)
+    st = testkit.wait_status(fleet, lambda: status_json(fleet), final, "the run to end")
     assert (st["state"], st["process_exit_code"]) == ("failed", 137), st
     (diag,) = st["diagnosis"]
     assert diag["signature"] in ("sigkill", "oom-killer"), diag  # oom-killer: the kernel log says so
@@ -488,7 +490,9 @@ def test_plot_does_not_dirty_the_checkout(remote_fleet: RemoteFleet) -> None:
     fleet = remote_fleet
     run_selftest(fleet, SHORT_RUN)
     assert fleet.fab("deploy", "train", "--no-warm").returncode == 0
-    wait_for("the run to finish", lambda: status_json(fleet)["state"] == "finished")
+    testkit.wait_status(
+        fleet, lambda: status_json(fleet), lambda st: st["state"] == "finished", "the run to finish"
+    )
 
     def git_status() -> str:
         return subprocess.run(

@@ -90,14 +90,10 @@ def status(fleet: RemoteFleet) -> dict[str, Any]:
 
 
 def wait_final(fleet: RemoteFleet) -> dict[str, Any]:
-    holder: dict[str, Any] = {}
+    def final(st: dict[str, Any]) -> bool:
+        return st["state"] in ("finished", "stopped", "failed") and st["alive"] is False
 
-    def final() -> bool:
-        holder["st"] = status(fleet)
-        return holder["st"]["state"] in ("finished", "stopped", "failed") and holder["st"]["alive"] is False
-
-    testkit.wait_for("the run to end", final, timeout=1800, interval=1.0)
-    return holder["st"]
+    return testkit.wait_status(fleet, lambda: status(fleet), final, "the run to end")
 
 
 def trainer_pids(run_dir: str) -> list[int]:
@@ -398,6 +394,8 @@ def reach_step(fleet: RemoteFleet, hosts: TestHost, run_dir: str, at: int) -> No
     def there() -> bool:
         if last_step(hosts, run_dir) >= at:
             return True
+        if testkit.processes_with(run_dir):  # alive: no `fab status` (~1 s of CPU) needed to say so
+            return False
         st = status(fleet)
         assert st["alive"] is not False, (st["state"], st["diagnosis"], fleet.fab("logs").stdout[-3000:])
         return False

@@ -231,7 +231,13 @@ def test_the_notify_command_gets_no_run_secret_unless_named_and_never_holds_the_
         notify={"command": command, "command_env": ["PAGER_TOKEN"]},
     )
     assert fleet.fab("deploy", "train", "--no-warm").returncode == 0
-    wait_for("the run to finish", lambda: status_json(fleet)["state"] == "finished", timeout=60)
+    testkit.wait_status(
+        fleet,
+        lambda: status_json(fleet),
+        lambda st: st["state"] == "finished",
+        "the run to finish",
+        timeout=60,
+    )
     wait_for("the notify command", lambda: ct_read(hosts, dump) is not None, timeout=60)
     env = ct_read(hosts, dump) or ""
     assert f"PAGER_TOKEN={shared}" in env, env

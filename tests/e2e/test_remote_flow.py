@@ -319,7 +319,9 @@ def test_hostile_run_module_is_rejected_or_literal(remote_fleet: RemoteFleet) ->
     else:
         assert result.returncode == 0, result.stderr
         # Passed literally, python3 finds no such module and the run exits non-zero.
-        wait_for("the run to exit", lambda: status_json(fleet)["state"] in FINAL_STATES)
+        testkit.wait_status(
+            fleet, lambda: status_json(fleet), lambda st: st["state"] in FINAL_STATES, "the run to exit"
+        )
         run_dir = f"{workdir}/runs/{ct_readlink(hosts, f'{workdir}/runs/latest')}"
         assert "No module named" in (ct_read(hosts, f"{run_dir}/train.log") or "")
     markers_absent(hosts, marker)
@@ -530,7 +532,9 @@ def test_export_over_ssh_brings_the_folder_back_byte_for_byte(
     assert none.returncode == 5 and "no run to export" in one_line_error(none)
     fleet.write(run={"module": "training.selftest", "config": "selftest", "overrides": [], "env": {}})
     assert fleet.fab("train", "--no-warm").returncode == 0
-    wait_for("the run to end", lambda: status_json(fleet)["state"] in FINAL_STATES)
+    testkit.wait_status(
+        fleet, lambda: status_json(fleet), lambda st: st["state"] in FINAL_STATES, "the run to end"
+    )
 
     weights = bytes(range(256)) * 64 + b"\n\r\x00 tail"  # every byte value, newlines, NUL
     label = Path(fleet.workdir).name

@@ -313,3 +313,29 @@ def test_compile_pack_and_put_move_the_optional_file_or_take_an_old_one_away(
     run("compile_put.sh", dest, tar)
     assert sorted(p.name for p in (dest / "k").iterdir()) == ["manifest.json", "megacache.bin"]
     assert not [p for p in dest.iterdir() if p.name.startswith(".incoming")]
+
+
+def test_the_launch_placeholder_ends_when_its_terminal_closes_without_a_hangup() -> None:
+    """run_launch.sh starts the tmux pane with a placeholder that respawn-pane replaces by closing its
+    terminal. A child that has not yet made that terminal its own gets no hangup signal: the
+    placeholder must end on the closed terminal itself (a `sleep` would outlive the launch)."""
+    import os
+    import pty
+
+    text = (Path(remote.__file__).parent / "run_launch.sh").read_text()
+    found = re.search(r'new-session -d -s "\$session" -c "\$rel_dir" sh -c (\'[^\']*\') "\$run_dir"', text)
+    assert found, "run_launch.sh's placeholder pane"
+    master, slave = pty.openpty()
+    # the terminal as stdin/stdout, never as the controlling terminal (this test's session keeps its own)
+    argv = ["sh", "-c", found.group(1).strip("'"), "placeholder"]
+    child = subprocess.Popen(argv, stdin=slave, stdout=slave)
+    os.close(slave)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.5)  # it waits while the terminal is open
+        os.close(master)
+        assert child.wait(timeout=30) is not None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
