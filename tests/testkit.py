@@ -356,19 +356,21 @@ def remote_fleet(hosts: TestHost, tmp_path: Path) -> Iterator[RemoteFleet]:
         yield fleet
 
 
+def processes_with(text: str) -> list[int]:
+    """Host-view PIDs of the processes (the test containers' included) whose command line holds ``text``."""
+    needle = text.encode()
+    return [pid for pid, proc in _processes() if needle in _read(proc / "cmdline")]
+
+
 def kill_processes_naming(text: str) -> list[int]:
     """SIGKILL every process (host view, containers included) whose command line contains ``text``."""
-    needle = text.encode()
     killed = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
+    for pid in processes_with(text):
         try:
-            if needle in (proc / "cmdline").read_bytes():
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed.append(int(proc.name))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
         except OSError:
-            continue  # gone meanwhile, or not ours to read
+            continue  # gone meanwhile, or not ours to signal
     return killed
 
 
@@ -616,20 +618,6 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0, interv
         if time.monotonic() > deadline:
             pytest.fail(f"gave up waiting for: {what}")
         time.sleep(interval)
-
-
-def processes_with(marker: str) -> list[int]:
-    """Host-view PIDs of the processes (the test containers' included) whose argv holds ``marker``."""
-    pids, needle = [], marker.encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if needle in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
 
 
 def wait_status(

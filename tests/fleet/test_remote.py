@@ -315,7 +315,8 @@ def test_compile_pack_and_put_move_the_optional_file_or_take_an_old_one_away(
     assert not [p for p in dest.iterdir() if p.name.startswith(".incoming")]
 
 
-def test_the_launch_placeholder_ends_when_its_terminal_closes_without_a_hangup() -> None:
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_the_launch_placeholder_ends_when_its_terminal_closes_without_a_hangup(shell: str) -> None:
     """run_launch.sh starts the tmux pane with a placeholder that respawn-pane replaces by closing its
     terminal. A child that has not yet made that terminal its own gets no hangup signal: the
     placeholder must end on the closed terminal itself (a `sleep` would outlive the launch)."""
@@ -327,7 +328,7 @@ def test_the_launch_placeholder_ends_when_its_terminal_closes_without_a_hangup()
     assert found, "run_launch.sh's placeholder pane"
     master, slave = pty.openpty()
     # the terminal as stdin/stdout, never as the controlling terminal (this test's session keeps its own)
-    argv = ["sh", "-c", found.group(1).strip("'"), "placeholder"]
+    argv = [shell, "-c", found.group(1).strip("'"), "placeholder"]
     child = subprocess.Popen(argv, stdin=slave, stdout=slave)
     os.close(slave)
     try:
