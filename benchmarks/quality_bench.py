@@ -494,9 +494,9 @@ def eval_tau(
         f"--eval.num_prompts={prompts}",
     ]
     code = run_logged(argv, args.out / "evals" / f"{label}.log")
-    # several evals append to the one events file: find this one's by its log line instead
+    # an export's eval writes no event into the run: its result is its line
     text = (args.out / "evals" / f"{label}.log").read_text()
-    line = next((ln for ln in text.splitlines() if ln.startswith("eval step")), "")
+    line = next((ln for ln in text.splitlines() if ln.startswith("eval export")), "")
     if code != 0 or not line:
         log(f"eval {label}: exit {code}")
         return None

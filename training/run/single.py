@@ -229,14 +229,18 @@ class Trainer:
         """The ``checkpoint`` events of the background writes that finished (``wait``: all)."""
         self.checkpoints.report(wait=wait)
 
-    def evaluate(self) -> None:
+    def evaluate(self, export: Path | None = None) -> None:
+        """Acceptance on the eval split: the ``eval`` event and its line; of an exported folder
+        (``export``: not this run's checkpoint, whose step it may not be) the line alone, named
+        after the folder, and nothing in the run's events."""
         cfg = self.config.eval
         prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts, cfg.split)
         if not prompts:
             print0(f"eval: no {cfg.split} prompts, skipped")
             return
-        self.phase = "eval"
-        self.events.phase("eval")
+        if export is None:
+            self.phase = "eval"
+            self.events.phase("eval")
         t0 = time.monotonic()
         what, total = f"evaluating acceptance ({len(prompts)} prompts)", len(prompts) * cfg.max_new_tokens
         with self.signals.anywhere(), Progress("eval", what, total, "tokens") as p:
@@ -249,21 +253,24 @@ class Trainer:
                 eos_token_id=self.tokenizer.eos_token_id,
                 progress=p.update,
             )
-        self.events.emit(
-            "eval",
-            step=self.step,
-            split=cfg.split,
-            tau_mean=result.tau_mean,
-            tau_hist=list(result.hist),
-            tau_estimate=self.last_tau,
-            tau_prompt_mean=result.tau_prompt_mean,
-        )
-        logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
-        self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
+        if export is None:
+            self.events.emit(
+                "eval",
+                step=self.step,
+                split=cfg.split,
+                tau_mean=result.tau_mean,
+                tau_hist=list(result.hist),
+                tau_estimate=self.last_tau,
+                tau_prompt_mean=result.tau_prompt_mean,
+            )
+            logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
+            self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
+        what = f"step {self.step}" if export is None else f"export {export}"
         print0(
-            f"eval step {self.step} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
-            f"{result.tau_prompt_mean:.3f} per prompt (training estimate {self.last_tau:.3f}) "
-            f"over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
+            f"eval {what} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
+            f"{result.tau_prompt_mean:.3f} per prompt"
+            + (f" (training estimate {self.last_tau:.3f})" if export is None else "")
+            + f" over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
             f"({time.monotonic() - t0:.1f}s)"
         )
 
@@ -403,6 +410,6 @@ def evaluate_run(config: RunConfig, run_dir: Path, export: Path | None = None) -
             print0(
                 f"eval: no checkpoint in {trainer.run_dir}/{CHECKPOINT_DIR}; evaluating an untrained drafter"
             )
-        trainer.evaluate()
+        trainer.evaluate(export)
     finally:
         trainer.close()

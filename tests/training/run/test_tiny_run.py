@@ -85,8 +85,12 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
         text=True,
     )
     assert from_export.returncode == 0, from_export.stderr[-3000:]
-    evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
-    assert len(evals) == 3 and evals[2]["tau_hist"] == evals[1]["tau_hist"], evals
+    # Labelled by the folder, not by the run's newest step, and not written into the run's events
+    # (the folder is not the run's checkpoint: `fab status` must not show it as the run's eval).
+    line = next(ln for ln in from_export.stdout.splitlines() if ln.startswith("eval "))
+    assert line.startswith(f"eval export {export} (held_out): tau_mean="), line
+    assert f"hist={evals[1]['tau_hist']}" in line, (line, evals[1])
+    assert [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"] == evals
 
 
 def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
