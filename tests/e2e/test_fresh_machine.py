@@ -57,11 +57,13 @@ STATUS_EVERY_S = 10.0
 # The default run, shortened for the suite's time but through every stage: the GGUF conversion,
 # one batch of regenerated replies (16 prompts, 2 held out), steps past the first epoch (the
 # cached hidden states are read), a short eval (benchmarks/RESULTS.md measures the full run; the
-# drafter's quality is tests/training/run/test_smol.py's).
+# drafter's quality is tests/training/run/test_smol.py's); one torch thread, as beside the suite's
+# other worker on a 2-core machine the default's two spin on each other.
 SHORT_STEPS = 12
 SHORT = (
     f'["--train.steps={SHORT_STEPS}", "--data.regen_prompts=16", "--data.regen_max_new_tokens=32", '
-    '"--data.eval_prompts=2", "--eval.num_prompts=2", "--eval.max_new_tokens=8"]'
+    '"--data.eval_prompts=2", "--eval.num_prompts=2", "--eval.max_new_tokens=8", '
+    '"--train.torch_threads=1"]'
 )
 
 

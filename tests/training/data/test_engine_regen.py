@@ -66,7 +66,9 @@ class Server:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["-c", str(ctx), "-np", str(slots), "-t", "2"]
+        # one thread: llama.cpp's threads spin while they wait, and beside the other worker's
+        # tests on a 2-core machine two of them spin on each other
+        argv += ["-c", str(ctx), "-np", str(slots), "-t", "1"]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # Short but real: the conversion, regeneration, training and eval of smol-cpu, on fewer prompts
-# and steps. 120 steps are enough for the drafter to hit the first draft position now and then;
-# 8 anchors a row, not 16: a step is the lm_head over every block position, and half of them still
-# give 8 hits in 55 rounds (tau 1.164 per round; 2026-12-03, the setup 267 s alone on this 2-core VM).
+# and steps. 80 steps are enough for the drafter to hit the first draft position now and then (4
+# hits in 60 rounds, tau 1.067 per round; 120 steps gave 8 in 55 for 40 s more of this 2-core VM);
+# 8 anchors a row, not 16: a step is the lm_head over every block position, and half of them still hit.
 # 16 new tokens per held-out prompt (~55 rounds) still see ~9 hits (tau ~1.16, the same drafter
 # gives ~1.21 over 32): the eval re-runs the target over the whole sequence every round, so its
 # length is the setup's second cost after the training, and the reference loop decodes as many.
@@ -42,7 +42,7 @@ OVERRIDES = [
     "--data.eval_prompts=4",
     "--eval.num_prompts=4",
     "--eval.max_new_tokens=16",
-    "--train.steps=120",
+    "--train.steps=80",
     "--train.log_every=40",
     # one torch thread: beside another worker's torch process on a 2-core machine, the config's
     # two threads spin on each other (this run took 1,117 s in CI instead of ~200 s)
