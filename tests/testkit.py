@@ -685,6 +685,11 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(tiny_qwen3_config()).eval()
 
 
+# One torch thread for a trainer a test starts: beside the other xdist worker's torch processes on a
+# 2-core machine, a config's two threads spin on each other (a 60 s tiny run took 712 s in CI, the
+# lifecycle scenario 502 s instead of 180 s).
+ONE_THREAD = ("--train.torch_threads=1",)
+
 # The tiny-cpu config cut to one compiled shape (one bucket of 64 tokens, one drafter layer, one
 # mask variant): the cheapest real compile. benchmarks/compile_bench.py keeps a copy (TINY_CPU): it
 # also runs on the GPU device, where pytest (which this module needs) may be absent.
@@ -699,7 +704,7 @@ TINY_COMPILE_OVERRIDES = (
     "--drafter.num_layers=1",
     "--drafter.full_attention_layers=0",
     "--drafter.num_anchors=8",
-    "--train.torch_threads=1",
+    *ONE_THREAD,
 )
 
 

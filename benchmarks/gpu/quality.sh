@@ -71,10 +71,17 @@ TOML
     done
 }
 
-start() {
+prepare() {  # the wheels, and the carried regenerated rows put into the trainer's cache
     install || { echo "wheel install failed"; return 1; }
-    mkdir -p "$Q" "$CACHE"
-    [ -f "$CARRY/regen/regen.tgz" ] && tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
+    mkdir -p "$CACHE"
+    if [ -f "$CARRY/regen/regen.tgz" ]; then
+        tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
+    fi
+}
+
+start() {
+    prepare || return 1
+    mkdir -p "$Q"
     PYTHONPATH="$SITE" setsid nohup python3 benchmarks/quality_bench.py all --out "$Q" "$@" \
         > "$Q/bench.log" 2>&1 < /dev/null &
     echo "started pid $!"
@@ -91,9 +98,8 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
 }
 
 recipe() {
-    install || { echo "wheel install failed"; return 1; }
-    mkdir -p "$R" "$CACHE"
-    [ -f "$CARRY/regen/regen.tgz" ] && tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
+    prepare || return 1
+    mkdir -p "$R"
     setsid nohup bash benchmarks/gpu/quality.sh recipe-job > "$R/job.log" 2>&1 < /dev/null &
     echo "started pid $!"
 }

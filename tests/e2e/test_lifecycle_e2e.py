@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.hosts
 
-# One torch thread: beside the other worker's tests on a 2-core machine, tiny-cpu's two threads spin
-# on each other (the resume scenario took 502 s in CI, 180 s alone)
-ONE_THREAD = ("--train.torch_threads=1",)
 # Room for `fab stop --force` to land after step k+8 (k: where `fab stop` landed, ~13 steps after
 # step 8 at ~0.3 s a step): with 40 the resumed run finished first in a CI run
 STEPS = 64
@@ -58,7 +55,7 @@ RUN = {
         "--checkpoint.keep=3",
         "--train.log_every=1",
         "--eval.num_prompts=0",
-        *ONE_THREAD,
+        *testkit.ONE_THREAD,
     ],
     "env": {},
 }
@@ -375,7 +372,7 @@ CKPT_RUN = {
         "--checkpoint.keep=3",
         "--train.log_every=1",
         "--eval.num_prompts=0",
-        *ONE_THREAD,
+        *testkit.ONE_THREAD,
     ],
     "env": {},
 }
@@ -510,7 +507,7 @@ def test_specforge_and_sharegpt_files_train_through_fab(torch_fleet: RemoteFleet
                 f"--train.steps={DATA_STEPS}",
                 "--eval.num_prompts=0",
                 f"--data.path={data_dir}/{fmt}.jsonl",
-                *ONE_THREAD,
+                *testkit.ONE_THREAD,
             ]
             fleet.write(
                 env="local-cpu", uv_cache=UV_CACHE, run={"config": "tiny-cpu", "overrides": overrides}

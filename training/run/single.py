@@ -238,7 +238,8 @@ class Trainer:
         if not prompts:
             print0(f"eval: no {cfg.split} prompts, skipped")
             return
-        if export is None:
+        own = export is None
+        if own:
             self.phase = "eval"
             self.events.phase("eval")
         t0 = time.monotonic()
@@ -253,7 +254,8 @@ class Trainer:
                 eos_token_id=self.tokenizer.eos_token_id,
                 progress=p.update,
             )
-        if export is None:
+        label, estimate = f"export {export}", ""
+        if own:
             self.events.emit(
                 "eval",
                 step=self.step,
@@ -265,13 +267,11 @@ class Trainer:
             )
             logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
             self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
-        what = f"step {self.step}" if export is None else f"export {export}"
+            label, estimate = f"step {self.step}", f" (training estimate {self.last_tau:.3f})"
         print0(
-            f"eval {what} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
-            f"{result.tau_prompt_mean:.3f} per prompt"
-            + (f" (training estimate {self.last_tau:.3f})" if export is None else "")
-            + f" over {result.rounds} blocks of {result.prompts} prompts; hist={list(result.hist)} "
-            f"({time.monotonic() - t0:.1f}s)"
+            f"eval {label} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
+            f"{result.tau_prompt_mean:.3f} per prompt{estimate} over {result.rounds} blocks of "
+            f"{result.prompts} prompts; hist={list(result.hist)} ({time.monotonic() - t0:.1f}s)"
         )
 
     def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:

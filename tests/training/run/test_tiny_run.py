@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit import ONE_THREAD
 
 from training.data.buckets import parse_bucket_table
 from training.events import read_events, validate_event
@@ -15,10 +16,6 @@ from training.events import read_events, validate_event
 REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.slow
-
-# One torch thread: beside another worker's torch process on a 2-core machine, the config's two
-# threads spin on each other (a 60 s run took 712 s in CI).
-ONE_THREAD = ["--train.torch_threads=1"]
 
 
 def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp_path: Path) -> None:
