@@ -17,10 +17,13 @@ same steps:
   ``hidden_states`` bf16 [1, T, 5 x 576], one ``torch.save`` per sample (the format
   ``specforge/runtime/data_plane/offline_reader.py`` reads; shared/context/specforge-smol). Rows
   without two consecutive labelled tokens are left out, as SpecForge's loader would refuse them.
-- ``specforge``: ``python -m specforge.cli train -c run.yaml`` (offline, ``local_colocated``, one
-  process; SpecForge 0.2.0 installed ``--no-deps``), its draft config written from fleet's
+- ``specforge``: ``python -m specforge.cli train -c specforge.yaml`` (offline, ``local_colocated``,
+  one process; SpecForge 0.2.0 installed ``--no-deps``), its draft config written from fleet's
   export config of the same drafter (so the shapes are equal by construction), then
-  ``specforge export --to hf`` of each saved step.
+  ``specforge export --to hf`` of each saved step. ``--specforge-seeds 0,1,2``: one SpecForge arm per
+  seed (``specforge``, ``specforge-s1``, ...) on the same features; fleet's seeds are levers
+  (``--lever "seed1=base --train.seed=1 --data.seed=1"``), so both trainers' run-to-run spread is
+  measured beside the gap between them.
 - levers (``--lever "NAME=DATA[@STEPS] --section.key=value ..."``): fleet again with one change of
   its recipe, on ``base`` (``train.jsonl``) or ``packages`` data (``train.jsonl`` + rows regenerated
   from prompts of the env's own packages, ``data.regen_sources = "stdlib,packages"``, minus any
@@ -243,7 +246,12 @@ class Lever:
         head, *overrides = shlex.split(text)
         name, _, spec = head.partition("=")
         data, _, steps = (spec or "base").partition("@")
-        if not name.isidentifier() or name in ("fleet", "specforge") or data not in DATA_FILES:
+        if (
+            not name.isidentifier()
+            or name == "fleet"
+            or name.startswith("specforge")
+            or data not in DATA_FILES
+        ):
             raise SystemExit(f"--lever {text!r}: NAME=DATA[@STEPS] with DATA one of {sorted(DATA_FILES)}")
         if any(not o.startswith("--") or "=" not in o for o in overrides):
             raise SystemExit(f"--lever {text!r}: overrides are --section.key=value")
@@ -350,9 +358,21 @@ def cmd_features(args: argparse.Namespace) -> None:
     log(f"features: {split['features']} files of {split['train_rows']} rows in {split['seconds']:.1f} s")
 
 
-def specforge_run_yaml(args: argparse.Namespace, target_folder: str) -> str:
-    """SpecForge's run config: shared/context/specforge-smol's, at this benchmark's steps; the
-    batch (16 rows of <= 768 tokens), lr, warmup, anchors and gamma are smol-h200's."""
+def specforge_arms(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(arm name, seed) of each SpecForge arm: ``specforge`` for the first seed, ``specforge-sN`` after."""
+    seeds = [int(s) for s in str(args.specforge_seeds).split(",") if s.strip()]
+    return [("specforge" if i == 0 else f"specforge-s{seed}", seed) for i, seed in enumerate(seeds)]
+
+
+def specforge_out(args: argparse.Namespace, arm: str) -> Path:
+    return args.out / "specforge" / "out" / arm
+
+
+def specforge_run_yaml(
+    args: argparse.Namespace, target_folder: str, arm: str = "specforge", seed: int = 0
+) -> str:
+    """SpecForge's run config: shared/context/specforge-smol's, at this benchmark's steps and
+    ``seed``; the batch (16 rows of <= 768 tokens), lr, warmup, anchors and gamma are smol-h200's."""
     config = fleet_config()
     sf = args.out / "specforge"
     every = points(args.steps, args.points)[0]
@@ -380,9 +400,9 @@ def specforge_run_yaml(args: argparse.Namespace, target_folder: str) -> str:
             f"  loss_decay_gamma: {config.drafter.gamma}",
             "  log_interval: 50",
             f"  save_interval: {every}",
-            f"  seed: {config.train.seed}",
+            f"  seed: {seed}",
             f"run_id: {SPECFORGE_RUN_ID}",
-            f"output_dir: {sf / 'out'}",
+            f"output_dir: {specforge_out(args, arm)}",
             "deployment:",
             "  mode: local_colocated",
             "  trainer:",
@@ -393,31 +413,39 @@ def specforge_run_yaml(args: argparse.Namespace, target_folder: str) -> str:
     )
 
 
-def cmd_specforge(args: argparse.Namespace) -> None:
+def train_specforge(args: argparse.Namespace, arm: str, seed: int) -> None:
     from training.model.target import model_source
 
     folder, _ = model_source(fleet_config())
     sf = args.out / "specforge"
-    (sf / "run.yaml").write_text(specforge_run_yaml(args, folder))
-    argv = [sys.executable, "-m", "specforge.cli", "train", "-c", str(sf / "run.yaml")]
-    log(f"specforge: {' '.join(argv[1:])}")
+    (sf / f"{arm}.yaml").write_text(specforge_run_yaml(args, folder, arm, seed))
+    argv = [sys.executable, "-m", "specforge.cli", "train", "-c", str(sf / f"{arm}.yaml")]
+    log(f"{arm}: {' '.join(argv[1:])}")
     started = time.time()
-    with open(args.out / "specforge.log", "w") as out:
+    with open(args.out / f"{arm}.log", "w") as out:
         code = subprocess.run(argv, cwd=sf, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     wall = time.time() - started
-    log(f"specforge: exit {code} in {wall:.1f} s")
+    log(f"{arm}: exit {code} in {wall:.1f} s")
     save(
         args.out,
-        "specforge",
+        arm,
         {
-            "arm": "specforge",
+            "arm": arm,
             "argv": argv[1:],
             "exit_code": code,
             "wall_s": wall,
             "train_s": wall,
             "steps": args.steps,
+            "seed": seed,
         },
     )
+
+
+def cmd_specforge(args: argparse.Namespace) -> None:
+    """Each SpecForge arm (``--specforge-seeds``): one after another, or at once with ``--concurrent``."""
+    arms = specforge_arms(args)
+    with ThreadPoolExecutor(max_workers=len(arms) if args.concurrent else 1) as pool:
+        list(pool.map(lambda a: guarded(a[0], lambda x: train_specforge(x, *a), args), arms))
 
 
 # --------------------------------------------------------------------------------------------- eval
@@ -451,10 +479,12 @@ def export_jobs(args: argparse.Namespace) -> list[tuple[str, int, Path, list[str
 
     target_folder, _ = model_source(fleet_config())
     sf = args.out / "specforge"
-    for step in points(args.steps, args.points):
-        ckpt = sf / "out" / f"{SPECFORGE_RUN_ID}-step{step}"
+    for arm, step in (
+        (arm, step) for arm, _ in specforge_arms(args) for step in points(args.steps, args.points)
+    ):
+        ckpt = specforge_out(args, arm) / f"{SPECFORGE_RUN_ID}-step{step}"
         if ckpt.is_dir():
-            folder = args.out / "exports" / f"specforge-{step}"
+            folder = args.out / "exports" / f"{arm}-{step}"
             argv = [
                 sys.executable,
                 "-m",
@@ -471,7 +501,7 @@ def export_jobs(args: argparse.Namespace) -> list[tuple[str, int, Path, list[str
                 "--embedding-source",
                 target_folder,
             ]
-            jobs.append(("specforge", step, folder, argv))
+            jobs.append((arm, step, folder, argv))
     return jobs
 
 
@@ -480,7 +510,7 @@ def eval_tau(
 ) -> dict | None:
     """fleet's evaluator on ``folder`` against the held-out prompts every arm shares (or ``arm``'s
     own training prompts), with the evaluation settings of ``arm``'s run (every arm's: smol-h200's)."""
-    run_dir = args.out / (arm if arm != "specforge" else "fleet")
+    run_dir = args.out / ("fleet" if arm.startswith("specforge") else arm)
     argv = [
         sys.executable,
         "-m",
@@ -508,9 +538,9 @@ def eval_tau(
 def zlab_tau(args: argparse.Namespace, arm: str, folder: Path, label: str) -> dict | None:
     """The second evaluator: z-lab's own decoding loop (the ``dflash`` package, benchmarks/zlab_eval.py)
     on the same held-out prompts; None where the package is not installed or its run failed."""
-    if importlib.util.find_spec("dflash") is None:
+    if args.no_zlab or importlib.util.find_spec("dflash") is None:
         return None
-    run_dir = args.out / (arm if arm != "specforge" else "fleet")
+    run_dir = args.out / ("fleet" if arm.startswith("specforge") else arm)
     log_path = args.out / "evals" / f"zlab-{label}.log"
     argv = [sys.executable, str(REPO / "benchmarks" / "zlab_eval.py"), "--run-dir", str(run_dir)]
     argv += ["--export", str(folder), "--eval.split=held_out", f"--eval.num_prompts={args.held_out}"]
@@ -712,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar='"NAME=DATA[@STEPS] --section.key=value ..."',
         help="fleet with one change, DATA base or packages (repeatable)",
     )
+    parser.add_argument("--specforge-seeds", default="0", help="one SpecForge arm per seed (0,1,2)")
+    parser.add_argument("--no-zlab", action="store_true", help="fleet's evaluator alone (z-lab's loop off)")
     parser.add_argument("--diag", default="fleet", help="arms run on train prompts too")
     parser.add_argument("--concurrent", action="store_true", help="train the arms at once")
     parser.add_argument("--packages-prompts", type=int, default=12000)

@@ -128,3 +128,27 @@ def test_the_smol_drafter_has_the_reference_shape() -> None:
 
     assert shipped_prompts(config.data.regen_prompts, config.data.regen_sources) == shipped_prompts(3000)
     assert config.data.regen_batch_size == 256
+
+
+def test_each_specforge_seed_is_an_arm_of_its_own_on_the_same_features(tmp_path: Path) -> None:
+    """``--specforge-seeds 0,1``: two SpecForge runs that differ in their seed and output folder
+    alone (the run-to-run spread of the reference trainer), reading the one feature folder."""
+    import argparse
+
+    q = bench()
+    (tmp_path / "specforge").mkdir()
+    (tmp_path / "specforge" / "draft.json").write_text(json.dumps({"dflash_config": {"mask_token_id": 4}}))
+    args = argparse.Namespace(out=tmp_path, steps=800, points=2, specforge_seeds="0,1")
+    assert q.specforge_arms(args) == [("specforge", 0), ("specforge-s1", 1)]
+    out = tmp_path / "specforge" / "out"
+    first, second = (q.specforge_run_yaml(args, "/m", arm, seed) for arm, seed in q.specforge_arms(args))
+    differ = [(a, b) for a, b in zip(first.splitlines(), second.splitlines(), strict=True) if a != b]
+    assert differ == [
+        ("  seed: 0", "  seed: 1"),
+        (f"output_dir: {out}/specforge", f"output_dir: {out}/specforge-s1"),
+    ]
+    assert f"  hidden_states_path: {tmp_path}/specforge/features" in first.splitlines()
+    with pytest.raises(SystemExit, match="NAME=DATA"):
+        q.Lever.parse("specforge-s9=base --train.seed=9")
+    seeded = q.Lever.parse("seed1=base --train.seed=1 --data.seed=1")
+    assert seeded.overrides == ("--train.seed=1", "--data.seed=1")
