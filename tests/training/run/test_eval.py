@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from testkit import tiny_qwen3
+from testkit import tiny_qwen3, tiny_qwen3_config
 from torch import Tensor
 from transformers import Qwen3ForCausalLM
 
@@ -178,3 +178,81 @@ def test_eval_prompts_are_the_last_tokens_before_the_first_label() -> None:
     }
     prompts = TrainData.eval_prompts(SimpleNamespace(eval_rows=rows), 3, 10)
     assert prompts == [[3, 4, 5], [9], [12]]
+
+
+def mixing_target(seed: int = 0) -> Qwen3ForCausalLM:
+    """The tiny Qwen3 as drawn: every token's output depends on the whole prefix."""
+    return tiny_qwen3(seed=seed)
+
+
+class OracleDrafter(ChainDrafter):
+    """Drafts the target's greedy continuation (``transformers``' ``generate``) of one prompt: in its
+    ``r``-th round right for the first ``r % BS`` offsets, then wrong, so the rounds accept every
+    length 0..BS-1 and the cache is cut back by every amount."""
+
+    def __init__(self, target: Qwen3ForCausalLM, sequence: list[int]) -> None:
+        super().__init__(target, torch.zeros(256, dtype=torch.long), right=0)
+        self.sequence = sequence
+        self.rounds = 0
+
+    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        t = target_hidden.shape[1]  # the block's anchor is at position t
+        right, self.rounds = self.rounds % BS, self.rounds + 1
+        tokens = [
+            tok if i < right else (tok + 1) % 256 for i, tok in enumerate(self.sequence[t + 1 : t + BS])
+        ]
+        return torch.tensor([tokens])
+
+
+def _greedy(target: Qwen3ForCausalLM, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0
+        )
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_the_verified_tokens_are_the_targets_own_greedy_continuation(kv_cache: bool) -> None:
+    """Speculative decoding with greedy verification produces exactly the target's greedy output,
+    whichever drafts were accepted: here against transformers' ``generate``, with the KV cache kept
+    and cut back between rounds, and without it."""
+    target = mixing_target()
+    prompt = [5, 17, 99, 3, 250, 41, 8]
+    sequence = _greedy(target, prompt, 60)
+    drafter = OracleDrafter(target, sequence)
+    res = evaluate_acceptance(target, drafter, [prompt], [0, 1], max_new_tokens=40, kv_cache=kv_cache)
+    (generated,) = res.generated
+    assert len(generated) >= 40 and list(generated) == sequence[len(prompt) : len(prompt) + len(generated)]
+    assert res.taus[0][: 2 * BS] == (1, 2, 3, 4) * 2, res.taus  # every amount of cut-back happens
+
+
+def test_the_kv_cache_changes_nothing_measured() -> None:
+    """A real (untrained) drafter on a mixing target: the same rounds, taus and tokens with the
+    target's KV cache kept between rounds as with the whole sequence re-run every round."""
+    target = mixing_target(seed=1)
+    torch.manual_seed(4)
+    cfg = DrafterConfig(
+        num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2, mask_token_id=255
+    )
+    drafter = DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 30)
+    ]
+    cached = evaluate_acceptance(target, drafter, prompts, drafter.target_layer_ids, 24, kv_cache=True)
+    whole = evaluate_acceptance(target, drafter, prompts, drafter.target_layer_ids, 24, kv_cache=False)
+    assert cached == whole
+
+
+def test_only_full_attention_targets_keep_the_kv_cache() -> None:
+    from training.config import load_config
+    from training.model.tinymodel import qwen3_5_text_config
+    from training.run.eval import keeps_kv_cache
+
+    assert keeps_kv_cache(mixing_target())
+    model = load_config("tiny-qwen3.5-cpu").model
+    hybrid = qwen3_5_text_config(model, 256)
+    assert not keeps_kv_cache(type("Hybrid", (), {"config": hybrid})())
+    sliding = tiny_qwen3_config()
+    sliding.layer_types = ["sliding_attention", "full_attention"]
+    assert not keeps_kv_cache(type("Sliding", (), {"config": sliding})())
