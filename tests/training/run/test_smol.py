@@ -34,8 +34,7 @@ REPO = Path(__file__).resolve().parents[3]
 # hits in 60 rounds, tau 1.067 per round; 120 steps gave 8 in 55 for 40 s more of this 2-core VM);
 # 8 anchors a row, not 16: a step is the lm_head over every block position, and half of them still hit.
 # 16 new tokens per held-out prompt (~55 rounds) still see ~9 hits (tau ~1.16, the same drafter
-# gives ~1.21 over 32): the eval re-runs the target over the whole sequence every round, so its
-# length is the setup's second cost after the training, and the reference loop decodes as many.
+# gives ~1.21 over 32); both loops decode through the target's KV cache.
 STEPS = 80
 EVAL_PROMPTS = 4
 OVERRIDES = [
@@ -44,8 +43,7 @@ OVERRIDES = [
     "--data.regen_max_new_tokens=64",
     "--data.eval_prompts=4",
     # the run's own eval off: the test evaluates the export with fleet's evaluator beside z-lab's
-    # (an eval of 4 prompts is ~50 s here, once is enough; the default run's eval phase end to end
-    # is tests/e2e/test_fresh_machine.py's)
+    # (once is enough; the default run's eval phase end to end is tests/e2e/test_fresh_machine.py's)
     "--eval.num_prompts=0",
     "--eval.max_new_tokens=16",
     f"--train.steps={STEPS}",
