@@ -338,12 +338,15 @@ def remote_fleet_at(hosts: TestHost, base: Path) -> Iterator[RemoteFleet]:
         yield fleet
     finally:
         # A run survives its tmux server (run.sh ignores SIGHUP): stop it the fleet way, then kill
-        # whatever still names this workdir, then remove its files.
-        fleet.write(**target)
-        try:
-            fleet.fab("stop", "--force", timeout=60)
-        except subprocess.TimeoutExpired:
-            pass  # the kill below is the safety net
+        # whatever still names this workdir, then remove its files. Where no run was ever launched
+        # (no runs/ in the workdir) there is nothing to stop: a `fab` start-up and an SSH session
+        # less for most of the tests that only check a refusal.
+        if hosts.ct_path(f"{workdir}/runs").exists():
+            fleet.write(**target)
+            try:
+                fleet.fab("stop", "--force", timeout=60)
+            except subprocess.TimeoutExpired:
+                pass  # the kill below is the safety net
         hosts.pct_exec("tmux", "-L", label, "kill-server", check=False)
         kill_processes_naming(workdir)
         hosts.pct_exec("rm", "-rf", "--", workdir, tmux, check=False)

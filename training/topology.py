@@ -17,17 +17,22 @@ keeps all GPUs visible and uses ``cuda:LOCAL_RANK`` instead.
 
 Groups (created in the same order on every rank, as torch.distributed requires):
 
-    world     backend NCCL on GPU / gloo on CPU: the hidden-state payloads (point to point)
-    control   gloo over all ranks: headers and credits (small CPU tensors). Kept apart from
-              the payload channel because NCCL runs sends and receives between one pair of
-              ranks on one stream in posting order: a pre-posted credit receive would block
-              the next payload send (deadlock). Gloo receives do not block sends.
+    world     backend NCCL on GPU / gloo on CPU: the join only (no collective runs on it)
+    control   gloo over all ranks: the identities gathered and the resumed step agreed at the start
+    startup   gloo over all ranks: the barriers around data and model loading
+    pair      per target/drafter pair, a gloo channel for headers and credits (small CPU
+              tensors) and a world-backend channel for the hidden-state payloads. Kept apart
+              because NCCL runs sends and receives between one pair of ranks on one stream in
+              posting order: a pre-posted credit receive would block the next payload send
+              (deadlock). Gloo receives do not block sends.
     drafters  the drafter ranks, world backend: DDP's gradient all-reduce
     drafters_ctl  gloo over the drafter ranks: the per-step "stop now?" vote
 
-Every collective has the process-group timeout (``timeout_s``); point-to-point waits are
-polled against the same deadline (training.run.pipeline), so a dead or stuck rank ends the
-job in bounded time with an ``error`` event naming the rank, its role and host.
+Joining and the startup barriers wait up to ``STARTUP_TIMEOUT_S`` (ranks start and load their
+models at their own pace); every other collective has the process-group timeout
+(``timeout_s``), and point-to-point waits are polled against the same deadline
+(training.run.pipeline), so a dead or stuck rank ends the job in bounded time with an
+``error`` event naming the rank, its role and host.
 """
 
 from __future__ import annotations
@@ -219,16 +224,20 @@ def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) ->
     device = rank_device(config, local_rank, pinned)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    # Joining waits for every rank to start (Python and torch imported, on each host: minutes on a
+    # loaded or cold one) and loading a large target takes minutes per role: both get the long
+    # startup timeout. No collective runs on the default group afterwards (each has its own group
+    # below), so a rank that hangs while training is still named after ``timeout_s``.
+    join = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # No device_id (eager init): lazily created communicators keep each 2-rank group's
         # sends and receives on their own NCCL communicator and stream.
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=join)
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=join)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    # Loading a large target takes minutes and differs per role: its own, longer timeout.
-    startup = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+    startup = dist.new_group(backend="gloo", timeout=join)
     drafters = dist.new_group(topology.drafter_ranks, backend=backend, timeout=timeout)
     drafters_ctl = (
         drafters

@@ -251,10 +251,13 @@ def single_losses(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology", ["1+1", "2+1"])
 def test_topology_matches_single_process(
-    topology: str, single_losses: list[float], tiny_cache: Path, tmp_path: Path
+    single_losses: list[float], tiny_cache: Path, tmp_path: Path
 ) -> None:
+    """2+1, fixed order: the drafter's losses are the single process's, batch by batch, with both
+    targets producing. (1+1's equality: the hybrid target's test below; 1+1 ends and stops in the
+    killed, hung and SIGTERM tests, and in tests/e2e/test_fresh_machine.py.)"""
+    topology = "2+1"
     run_dir = tmp_path / "run"
     argv = _torchrun(topology, run_dir, ["--train.steps=4", "--pipeline.order=fixed", "--pipeline.credits=1"])
     proc = subprocess.run(
@@ -379,9 +382,9 @@ def test_sigterm_to_the_process_group_stops_cleanly(tiny_cache: Path, tmp_path: 
 def test_hung_rank_ends_job_after_the_timeout(tiny_cache: Path, tmp_path: Path) -> None:
     """A rank that stops answering (SIGSTOP: alive, silent) ends the job once the timeout passes."""
     run_dir = tmp_path / "run"
-    # The job's join (init_process_group) waits as long as this timeout too: 30 s leaves both ranks
-    # time to start on a loaded 2-core machine (8 s did not, beside other tests), then ends the hang.
-    argv = _torchrun("1+1", run_dir, ["--train.steps=100000", "--pipeline.timeout_s=30"])
+    # 10 s: the join and the startup barriers have their own long timeout (training/topology.py),
+    # so a short one only has to outlast a step of a loaded 2-core machine.
+    argv = _torchrun("1+1", run_dir, ["--train.steps=100000", "--pipeline.timeout_s=10"])
     proc = subprocess.Popen(
         argv, cwd=REPO, env=_env(tiny_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
