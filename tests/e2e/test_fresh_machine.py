@@ -45,13 +45,6 @@ COLLECT = "./bootstrap --dev && .venv/bin/python -m pytest -q -p no:cacheprovide
 TESTS = (
     ".venv/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not hosts' " + MACHINE_TOOL_MODULES
 )
-# A 1+1 topology run: this container's hostname has no /etc/hosts line (none at all, as debootstrap
-# leaves it), where torchrun --standalone never forms its rendezvous.
-TOPOLOGY = (
-    ".venv/bin/python -m training.launch --nproc-per-node=2 -m training train --config tiny-cpu "
-    "--run-dir /tmp/topology-run --topology 1+1 --train.steps=2 --train.torch_threads=1 "
-    "--eval.num_prompts=0 --checkpoint.every=0"
-)
 RUN_END_S = 1800  # the default run still going after this is a hang (not a speed check)
 STATUS_EVERY_S = 10.0
 # The default run, shortened for the suite's time but through every stage: the GGUF conversion,
@@ -134,8 +127,8 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
     )
 
     # 3. The README's test command (all collected, the machine-tool modules run) on a machine `fab
-    # doctor` finds fit (the hostname resolves, as on a Proxmox container); then a topology run
-    # where the hostname does not resolve.
+    # doctor` finds fit (the hostname resolves, as on a Proxmox container). A topology run where
+    # the hostname does not resolve: tests/training/test_rendezvous.py (a name no resolver knows).
     hosts = ct.path("/etc/hosts")
     bare_hosts = hosts.read_text() if hosts.exists() else ""
     hosts.write_text(bare_hosts + f"127.0.1.1\t{ct.name}\n")
@@ -147,11 +140,6 @@ def test_readme_commands_on_a_fresh_debian(fresh: freshct.FreshContainer) -> Non
     hosts.write_text(bare_hosts)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]
     assert " passed" in tests.stdout.splitlines()[-1], tests.stdout[-2000:]
-    unresolved = ct.sh("getent hosts $(hostname)")
-    assert unresolved.returncode != 0, unresolved.stdout
-    topology = ct.sh(f"cd /root/fleet && {TOPOLOGY}", timeout=900)
-    assert topology.returncode == 0, topology.stderr[-3000:]
-    assert "cannot be retrieved" not in topology.stderr
 
     # 4. pip without ensurepip (python3-pip, no python3-venv) on a PEP 668 Python: uv goes into
     # .venv through the system pip, nothing into the system Python.
