@@ -210,6 +210,12 @@ def die_with_agent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def startup_timeout(timeout_s: float) -> timedelta:
+    """How long joining the job and the barriers around loading wait: ranks start and load their
+    models at their own pace, so never less than ``STARTUP_TIMEOUT_S``."""
+    return timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+
+
 def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) -> DistContext:
     """Join the job (torchrun env), create the groups, gather every rank's identity."""
     rank, world_size, local_rank = torchrun_env()
@@ -228,14 +234,12 @@ def init_distributed(topology: Topology, config: RunConfig, timeout_s: float) ->
     # loaded or cold one) and loading a large target takes minutes per role: both get the long
     # startup timeout. No collective runs on the default group afterwards (each has its own group
     # below), so a rank that hangs while training is still named after ``timeout_s``.
-    join = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+    join = startup_timeout(timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # No device_id (eager init): lazily created communicators keep each 2-rank group's
-        # sends and receives on their own NCCL communicator and stream.
-        dist.init_process_group(backend, timeout=join)
-    else:
-        dist.init_process_group(backend, timeout=join)
+    # No device_id (eager init): lazily created NCCL communicators keep each 2-rank group's sends
+    # and receives on their own communicator and stream.
+    dist.init_process_group(backend, timeout=join)
     control = dist.new_group(backend="gloo", timeout=timeout)
     startup = dist.new_group(backend="gloo", timeout=join)
     drafters = dist.new_group(topology.drafter_ranks, backend=backend, timeout=timeout)

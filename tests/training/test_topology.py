@@ -256,7 +256,7 @@ def test_topology_matches_single_process(
 ) -> None:
     """2+1, fixed order: the drafter's losses are the single process's, batch by batch, with both
     targets producing. (1+1's equality: the hybrid target's test below; 1+1 ends and stops in the
-    killed, hung and SIGTERM tests, and in tests/e2e/test_fresh_machine.py.)"""
+    killed, hung and SIGTERM tests, and in tests/training/test_rendezvous.py.)"""
     topology = "2+1"
     run_dir = tmp_path / "run"
     argv = _torchrun(topology, run_dir, ["--train.steps=4", "--pipeline.order=fixed", "--pipeline.credits=1"])

@@ -36,7 +36,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +72,12 @@ from training.run.pipeline import (
     start_thread,
 )
 from training.topology import (
-    STARTUP_TIMEOUT_S,
     DistContext,
     init_distributed,
     parse_topology,
     rank_config,
     shutdown,
+    startup_timeout,
 )
 
 
@@ -115,7 +114,7 @@ class Worker:
 
     def barrier(self) -> None:
         """Every rank here (startup group: its own long timeout; rank 0 names missing ranks)."""
-        timeout = timedelta(seconds=max(self.timeout_s, STARTUP_TIMEOUT_S))
+        timeout = startup_timeout(self.timeout_s)
         dist.monitored_barrier(group=self.ctx.startup, timeout=timeout, wait_all_ranks=True)
 
     def ready(self, waiting_for: str) -> Iterator[Message]:
