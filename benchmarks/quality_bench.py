@@ -198,7 +198,8 @@ def fleet_overrides(args: argparse.Namespace, train_file: Path) -> list[str]:
         f"--checkpoint.every={every}",
         f"--checkpoint.keep={args.points + 1}",
         "--eval.every=0",
-        "--eval.num_prompts=8",  # the run's own end-of-run check; the arms' figures come from `eval`
+        # the run's own end-of-run check (0: none); the arms' figures come from `eval`
+        f"--eval.num_prompts={args.run_eval_prompts}",
     ]
 
 
@@ -220,6 +221,8 @@ def train_fleet(args: argparse.Namespace, name: str, train_file: Path, extra: li
         "wall_s": time.time() - started,
         "train_s": trained,
         "steps": args.steps,
+        # seconds from the launch to each logged step: where the curve against time puts a checkpoint
+        "at_step": {str(e["step"]): e["ts"] - started for e in steps},
     }
     log(f"{name}: exit {code}, training {trained or 0:.1f} s of {result['wall_s']:.1f} s")
     return result
@@ -618,6 +621,55 @@ def curves(results: dict[str, Any], evaluator: str = "held_out") -> dict[str, li
     return {arm: sorted(points_) for arm, points_ in found.items()}
 
 
+def seconds_at(run: dict[str, Any], step: int, total: int) -> float | None:
+    """Seconds from an arm's launch to ``step``: its logged step's time where the run recorded it
+    (fleet), else its training seconds pro rata (SpecForge logs no times: an estimate that spreads
+    its compile over every step, so it favours SpecForge's early checkpoints)."""
+    if str(step) in run.get("at_step", {}):
+        return run["at_step"][str(step)]
+    return run["train_s"] * step / total if run.get("train_s") else None
+
+
+def time_to_reach(curve: list[tuple[float, float]], goal: float) -> float | None:
+    """The first time a (seconds, tau) curve reaches ``goal``, linear between its points (from
+    (0, 1.0): a drafter that accepts nothing still advances one token a round); None if it never does."""
+    last_t, last_tau = 0.0, 1.0
+    for t, tau in curve:
+        if tau >= goal:
+            return last_t + (t - last_t) * (goal - last_tau) / (tau - last_tau) if tau > last_tau else t
+        last_t, last_tau = t, tau
+    return None
+
+
+def reach_lines(results: dict[str, Any], args: argparse.Namespace, reference: str = "specforge") -> list[str]:
+    """For each fleet arm: when it reaches the reference arm's final held-out tau, against the
+    reference's training seconds (the goal: <= 0.7x)."""
+    taus = curves(results)
+    ref_run = results.get(reference, {})
+    if reference not in taus or not ref_run.get("train_s"):
+        return []
+    goal = taus[reference][-1][1]
+    lines = [f"\n{reference}'s final held-out tau {goal:.3f} after {ref_run['train_s']:.1f} s of training:"]
+    for arm, curve in taus.items():
+        if arm.startswith("specforge"):
+            continue
+        run = results.get(arm, {})
+        total = run.get("steps") or arm_steps(args, arm)
+        timed = [(seconds_at(run, step, total), tau) for step, tau in curve]
+        if any(t is None for t, _ in timed):
+            continue
+        reached = time_to_reach(timed, goal)
+        lines.append(
+            f"- {arm}: "
+            + (
+                f"reaches it at {reached:.1f} s = {reached / ref_run['train_s']:.2f}x"
+                if reached is not None
+                else f"does not reach it (best {max(t for _, t in curve):.3f})"
+            )
+        )
+    return lines
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     results = json.loads((args.out / "results.json").read_text())
     lines = [
@@ -639,6 +691,7 @@ def cmd_report(args: argparse.Namespace) -> None:
                 f"\nmemorisation check, {diag['arm']} step {diag['step']}: training prompts "
                 f"tau {t.get('tau_mean')}, held-out {h.get('tau_mean')} ({args.diag_prompts} each)"
             )
+    lines += reach_lines(results, args)
     text = "\n".join(lines)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
@@ -654,12 +707,12 @@ def cmd_report(args: argparse.Namespace) -> None:
         steps = [s for s, _ in curve]
         taus = [t for _, t in curve]
         by_step.plot(steps, taus, marker="o", label=arm)
-        seconds = results.get(arm, {}).get("train_s")
-        if seconds:
-            total = results.get(arm, {}).get("steps") or args.steps
-            by_time.plot([seconds * s / total for s in steps], taus, marker="o", label=arm)
+        run = results.get(arm, {})
+        seconds = [seconds_at(run, s, run.get("steps") or args.steps) for s in steps]
+        if None not in seconds:
+            by_time.plot(seconds, taus, marker="o", label=arm)
     by_step.set(xlabel="training step", ylabel=f"held-out tau per round ({args.held_out} prompts)")
-    by_time.set(xlabel="training seconds (linear in steps)", ylabel="held-out tau per round")
+    by_time.set(xlabel="seconds from launch (SpecForge: pro rata)", ylabel="held-out tau per round")
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -749,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packages-prompts", type=int, default=12000)
     parser.add_argument("--regen-batch", type=int, default=512, help="the packages lever's regen batch")
     parser.add_argument("--parallel", type=int, default=6, help="exports + evals at a time")
+    parser.add_argument(
+        "--run-eval-prompts", type=int, default=8, help="each fleet run's own end-of-run eval (0: none)"
+    )
     parser.add_argument("--config", default="smol-h200", help="the run config every arm trains")
     parser.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE")
     args = parser.parse_args(argv)

@@ -83,6 +83,9 @@ prepare() {  # the wheels, and the carried regenerated rows put into the trainer
 start() {
     prepare || return 1
     mkdir -p "$Q"
+    # the GPU's busy share each second: whether an arm's step is bound by the GPU or by its launches
+    setsid nohup nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader \
+        -l 1 > "$Q/gpu.csv" 2>&1 < /dev/null &
     PYTHONPATH="$SITE" setsid nohup python3 benchmarks/quality_bench.py all --out "$Q" "$@" \
         > "$Q/bench.log" 2>&1 < /dev/null &
     echo "started pid $!"

@@ -152,3 +152,37 @@ def test_each_specforge_seed_is_an_arm_of_its_own_on_the_same_features(tmp_path:
         q.Lever.parse("specforge-s9=base --train.seed=9")
     seeded = q.Lever.parse("seed1=base --train.seed=1 --data.seed=1")
     assert seeded.overrides == ("--train.seed=1", "--data.seed=1")
+
+
+def test_the_time_to_the_reference_tau_reads_each_arms_logged_step_times() -> None:
+    """The goal "fleet reaches SpecForge's final tau in <= 0.7x its time": fleet's checkpoints are
+    placed at their logged seconds (its compile is in the first steps, not spread), SpecForge's
+    pro rata; the crossing is linear between the points, and an arm that never reaches it says so."""
+    import argparse
+
+    q = bench()
+    args = argparse.Namespace(steps=800, points=2, levers=[])
+    results = {
+        "specforge": {"train_s": 200.0, "steps": 800},
+        "fleet": {"train_s": 150.0, "steps": 800, "at_step": {"400": 90.0, "800": 150.0}},
+        "slow": {"train_s": 300.0, "steps": 800},
+        "evals": {
+            f"{arm}-{step}": {"arm": arm, "step": step, "held_out": {"tau_mean": tau}}
+            for arm, step, tau in [
+                ("specforge", 400, 1.5),
+                ("specforge", 800, 1.8),
+                ("fleet", 400, 1.6),
+                ("fleet", 800, 2.0),
+                ("slow", 400, 1.2),
+                ("slow", 800, 1.7),
+            ]
+        },
+    }
+    assert q.seconds_at(results["specforge"], 400, 800) == 100.0
+    assert q.seconds_at(results["fleet"], 400, 800) == 90.0
+    assert q.time_to_reach([(90.0, 1.6), (150.0, 2.0)], 1.8) == pytest.approx(120.0)
+    assert q.time_to_reach([(90.0, 1.6)], 1.3) == pytest.approx(45.0)  # from (0 s, tau 1)
+    assert q.time_to_reach([(90.0, 1.6)], 1.7) is None
+    lines = q.reach_lines(results, args)
+    assert lines[0].strip() == "specforge's final held-out tau 1.800 after 200.0 s of training:"
+    assert lines[1:] == ["- fleet: reaches it at 120.0 s = 0.60x", "- slow: does not reach it (best 1.700)"]
