@@ -708,7 +708,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         taus = [t for _, t in curve]
         by_step.plot(steps, taus, marker="o", label=arm)
         run = results.get(arm, {})
-        seconds = [seconds_at(run, s, run.get("steps") or args.steps) for s in steps]
+        seconds = [seconds_at(run, s, run.get("steps") or arm_steps(args, arm)) for s in steps]
         if None not in seconds:
             by_time.plot(seconds, taus, marker="o", label=arm)
     by_step.set(xlabel="training step", ylabel=f"held-out tau per round ({args.held_out} prompts)")

@@ -8,8 +8,8 @@ vocabulary 49152, tied embeddings) and builds its tokenizer and chat template. A
 way is still flagged GGUF-quantized and ``save_pretrained`` refuses it, so the weights are copied
 into a plain model of the same config and that is saved, with the tokenizer, as an ordinary
 Hugging Face folder under the trainer's cache root (the tiny model's, ``model.cache_dir``):
-converted once (~17 s on a 2-core VM, 22 s before the GGUF was parsed twice instead of three times
-and the plain model built on the meta device), then loaded like any model folder. The folder is
+converted once (~17 s on a 2-core VM; the plain model is built on the meta device, not initialised
+at random first), then loaded like any model folder. The folder is
 keyed by the GGUF file's sha256 and the transformers version (another file or another de-quantizer
 converts again), and written under a temporary name and renamed into place, so a killed conversion
 leaves nothing.
@@ -83,7 +83,7 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     if (folder / HF_CONFIG_FILE).is_file():
         return folder
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.progress import Progress
 
@@ -93,12 +93,7 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     with Progress("load_data", what, 4, "stages") as progress:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **where)
         progress.advance()
-        # Each from_pretrained of a GGUF parses the whole file again (~3 s here, the vocabulary's
-        # 49,152 strings in Python): the config read once serves the model's call too.
-        config = AutoConfig.from_pretrained(str(gguf.parent), **where)
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), config=config, dtype=torch.float32, **where
-        )
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **where)
         progress.advance()
         config = loaded.config
         if hasattr(config, "quantization_config"):
