@@ -8,8 +8,9 @@ vocabulary 49152, tied embeddings) and builds its tokenizer and chat template. A
 way is still flagged GGUF-quantized and ``save_pretrained`` refuses it, so the weights are copied
 into a plain model of the same config and that is saved, with the tokenizer, as an ordinary
 Hugging Face folder under the trainer's cache root (the tiny model's, ``model.cache_dir``):
-converted once (~17 s on a 2-core VM; the plain model is built on the meta device, not initialised
-at random first), then loaded like any model folder. The folder is
+converted once (~17 s on a 2-core VM before the GGUF was parsed once instead of three times, see
+``gguf_parsed_once``; the plain model is built on the meta device, not initialised at random first),
+then loaded like any model folder. The folder is
 keyed by the GGUF file's sha256 and the transformers version (another file or another de-quantizer
 converts again), and written under a temporary name and renamed into place, so a killed conversion
 leaves nothing.
@@ -32,8 +33,11 @@ without colliding with a real token. It is saved as the converted tokenizer's ``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from training.config import ConfigError
@@ -76,6 +80,38 @@ def smol_key(gguf: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within it, ``gguf.GGUFReader(path)`` parses a file once and ``gguf.get_tensor_name_map``
+    builds a map once per (arch, blocks).
+
+    transformers reads the GGUF once per ``from_pretrained`` (tokenizer, config, weights: three
+    ``GGUFReader``s in ``load_gguf_checkpoint``, transformers/modeling_gguf_pytorch_utils.py, each
+    parsing the 49,152-token vocabulary's fields again) and builds gguf's tensor-name map once per
+    submodule of the model (``get_gguf_hf_weights_map`` recurses into ~400 of them): about half of
+    a conversion on a 2-core machine. Both are read-only results of their arguments; transformers
+    imports the two names from ``gguf`` inside those functions, so setting them on the module for
+    the conversion's duration reaches every call, and they are put back after.
+    """
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path: str | Path, mode: str = "r") -> object:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     """Convert (once) the package's GGUF into a plain HF folder under ``cache_dir``; its path."""
     gguf = gguf or gguf_path()
@@ -90,7 +126,7 @@ def build_smol_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     where = {"gguf_file": gguf.name}
     # Stages, not tensors: transformers de-quantizes the GGUF inside one from_pretrained call.
     what = "converting SmolLM2's GGUF into a model folder (once)"
-    with Progress("load_data", what, 4, "stages") as progress:
+    with Progress("load_data", what, 4, "stages") as progress, gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **where)
         progress.advance()
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **where)

@@ -45,28 +45,6 @@ def fresh_dynamo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     counters.clear()
 
 
-@pytest.mark.slow
-def test_compiled_target_forward_equals_eager_with_one_graph_and_no_graph_break() -> None:
-    target = _target()
-    ids = torch.randint(0, TINY.model.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
-    layer_ids = [0, 1, 3]  # the last layer too: the final norm after the compiled layers
-    eager = target_forward(target, ids, layer_ids)
-    assert compile_target(target) and is_compiled(target)
-    compiled = target_forward(target, ids, layer_ids)
-    torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3)
-    assert counters["stats"]["unique_graphs"] == 1  # one graph, all four layers
-    assert not counters["graph_break"]
-    assert counters["inductor"]["fxgraph_cache_miss"] == 1
-    again = target_forward(target, ids[:, :32].contiguous(), [1])  # another shape: one more graph
-    torch.testing.assert_close(again, target_forward_eager(target, ids[:, :32], [1]), rtol=1e-3, atol=1e-3)
-    assert counters["stats"]["unique_graphs"] == 2
-    # Only target_forward swaps the layers: afterwards (and for eval's direct calls) they are eager.
-    assert all("forward" not in vars(layer) for layer in decoder_layers(target))
-    before = dict(counters["stats"])
-    target(input_ids=ids[:, :17], output_hidden_states=True, use_cache=False)
-    assert dict(counters["stats"]) == before
-
-
 def target_forward_eager(target: torch.nn.Module, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """The uncompiled forward of the same model (the compiled layer call detached for one call)."""
     compiled = target.__dict__.pop("_fleet_compiled_layer")
@@ -93,9 +71,12 @@ def test_a_hybrid_target_is_not_compiled() -> None:
 
 
 @pytest.mark.slow
-def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> None:
+def test_the_one_layer_cut_compiles_the_full_targets_graph_and_it_equals_eager() -> None:
     """The warm-up compiles a one-layer cut; a new process running the full 4-layer target's
-    compiled forward on the same shape then hits the cache (0 misses)."""
+    compiled forward on the same shape then hits the cache (0 misses). Then, in this process, the
+    full target's compiled forward (that graph, from the cache) gives eager's hidden states: one
+    graph for all four layers, no graph break; another shape is one more graph, and only
+    ``target_forward`` swaps the layers."""
     cut = cut_target(_target().config, torch.device("cpu"), torch.float32)
     assert len(decoder_layers(cut)) == 1 and can_compile(cut)
     assert compile_target(cut)
@@ -125,6 +106,28 @@ def test_the_one_layer_cut_compiles_the_full_targets_graph(tmp_path: Path) -> No
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-2:] == ["1", "0"]  # hit, miss
+
+    torch._dynamo.reset()
+    counters.clear()
+    target = _target()
+    ids = torch.randint(0, TINY.model.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
+    layer_ids = [0, 1, 3]  # the last layer too: the final norm after the compiled layers
+    eager = target_forward(target, ids, layer_ids)
+    assert compile_target(target) and is_compiled(target)
+    compiled = target_forward(target, ids, layer_ids)
+    torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, all four layers
+    assert not counters["graph_break"]
+    assert (counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]) == (1, 0)
+    again = target_forward(target, ids[:, :32].contiguous(), [1])  # another shape: one more graph
+    torch.testing.assert_close(again, target_forward_eager(target, ids[:, :32], [1]), rtol=1e-3, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1
+    # Only target_forward swaps the layers: afterwards (and for eval's direct calls) they are eager.
+    assert all("forward" not in vars(layer) for layer in decoder_layers(target))
+    before = dict(counters["stats"])
+    target(input_ids=ids[:, :17], output_hidden_states=True, use_cache=False)
+    assert dict(counters["stats"]) == before
 
 
 def test_compile_target_is_on_by_default_and_can_be_turned_off() -> None:

