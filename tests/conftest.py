@@ -9,8 +9,9 @@ The suite runs on several pytest-xdist workers (pyproject's addopts: `-n auto`, 
   xdist's ``@group`` suffix on node ids is lost (pytest-dev/pytest-xdist#1386) and every test
   became a unit of its own (tests/test_suite_layout.py checks this);
 - modules with an ``exclusive_host`` test are handed out first (nothing holds the test host yet),
-  then the longest modules, longest first (``testkit.LONGEST_MODULES``), then modules with `slow`
-  tests (the longest work starts early, none is left alone at the end);
+  the first of them with one long module that never takes the host's lock beside it on each other
+  worker; then the longest modules, longest first (``testkit.LONGEST_MODULES``), then modules with
+  `slow` tests (the longest work starts early, none is left alone at the end);
 - a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
   devices, /etc/hosts, mounts) runs while no other test uses the test host
   (``testkit.test_host_lock``); every other test that uses the host (the ``hosts`` fixture)
@@ -85,19 +86,38 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # `--no-loadscope-reorder`: xdist hands out modules in this order
     slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
-    # A module with an exclusive_host test goes first, while nothing else holds the test host: later
-    # it waits for the other worker's host tests to end (its worker idle: 108 s in a CI run).
-    exclusive = {_module(item) for item in items if item.get_closest_marker("exclusive_host")}
+    # Modules with an exclusive_host test go first, while nothing else holds the test host. Two of
+    # them on two workers at once wait on each other test by test (22 s of a CI run's worker time),
+    # so the first has beside it, on each other worker, a long module that never takes the test
+    # host's lock; the others follow it.
+    marked = (_module(item) for item in items if item.get_closest_marker("exclusive_host"))
+    exclusive = list(dict.fromkeys(marked))
+    on_host = {_module(item) for item in items if _takes_the_host(item)}
+    workers = getattr(config, "workerinput", {}).get("workercount", 2)
+    longest = [m for m in testkit.LONGEST_MODULES if m in {_module(item) for item in items}]
+    beside = [m for m in longest if m not in on_host][: max(1, workers - 1)] if exclusive else []
 
     # Then the longest modules, longest first: one started last would leave the other worker idle
     # to the end (a 4-minute tail in a CI run); then the other slow ones; file order otherwise.
-    def rank(item: pytest.Item) -> tuple[bool, int, bool]:
+    def rank(item: pytest.Item) -> tuple[int, int, bool]:
         module = _module(item)
-        longest = testkit.LONGEST_MODULES
+        if exclusive and module == exclusive[0]:
+            return 0, 0, False
+        if module in beside:
+            return 1, beside.index(module), False
+        if module in exclusive:
+            return 2, exclusive.index(module), False
         position = longest.index(module) if module in longest else len(longest)
-        return module not in exclusive, position, module not in slow_modules
+        return 3, position, module not in slow_modules
 
     items.sort(key=rank)  # stable
+
+
+def _takes_the_host(item: pytest.Item) -> bool:
+    """Whether the test holds the test host's lock (``_test_host_access``)."""
+    if item.get_closest_marker("exclusive_host"):
+        return True
+    return not item.get_closest_marker("own_container") and "hosts" in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(wrapper=True)
