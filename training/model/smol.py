@@ -8,9 +8,8 @@ vocabulary 49152, tied embeddings) and builds its tokenizer and chat template. A
 way is still flagged GGUF-quantized and ``save_pretrained`` refuses it, so the weights are copied
 into a plain model of the same config and that is saved, with the tokenizer, as an ordinary
 Hugging Face folder under the trainer's cache root (the tiny model's, ``model.cache_dir``):
-converted once (~17 s on a 2-core VM before the GGUF was parsed once instead of three times, see
-``gguf_parsed_once``; the plain model is built on the meta device, not initialised at random first),
-then loaded like any model folder. The folder is
+converted once (~14 s on a 2-core VM, the GGUF parsed once: ``gguf_parsed_once``; the plain model is
+built on the meta device, not initialised at random first), then loaded like any model folder. The folder is
 keyed by the GGUF file's sha256 and the transformers version (another file or another de-quantizer
 converts again), and written under a temporary name and renamed into place, so a killed conversion
 leaves nothing.
