@@ -9,8 +9,8 @@ The suite runs on several pytest-xdist workers (pyproject's addopts: `-n auto`, 
   xdist's ``@group`` suffix on node ids is lost (pytest-dev/pytest-xdist#1386) and every test
   became a unit of its own (tests/test_suite_layout.py checks this);
 - modules with an ``exclusive_host`` test are handed out first (nothing holds the test host yet),
-  the first of them with one long module that never takes the host's lock beside it on each other
-  worker; then the longest modules, longest first (``testkit.LONGEST_MODULES``), then modules with
+  the first of them with two long modules that never take the host's lock beside it on each
+  other worker; then the longest modules, longest first (``testkit.LONGEST_MODULES``), then modules with
   `slow` tests (the longest work starts early, none is left alone at the end);
 - a test marked ``exclusive_host`` (it changes the test host's shared state: container 200's
   devices, /etc/hosts, mounts) runs while no other test uses the test host
@@ -88,14 +88,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
     # Modules with an exclusive_host test go first, while nothing else holds the test host. Two of
     # them on two workers at once wait on each other test by test (22 s of a CI run's worker time),
-    # so the first has beside it, on each other worker, a long module that never takes the test
-    # host's lock; the others follow it.
+    # so the first has beside it, on each other worker, long modules that never take the test
+    # host's lock; the others follow it. Two of those a worker: xdist queues a worker's next module
+    # while at most two of its tests are pending (LoadScopeScheduling._reschedule), so the
+    # fresh-machine module (one test) gets the module after it queued on the same worker at once,
+    # and that must not be an exclusive one (it would wait ~3 min, then for the host's other users).
     marked = (_module(item) for item in items if item.get_closest_marker("exclusive_host"))
     exclusive = list(dict.fromkeys(marked))
     on_host = {_module(item) for item in items if _takes_the_host(item)}
     workers = getattr(config, "workerinput", {}).get("workercount", 2)
     longest = [m for m in testkit.LONGEST_MODULES if m in {_module(item) for item in items}]
-    beside = [m for m in longest if m not in on_host][: max(1, workers - 1)] if exclusive else []
+    beside = [m for m in longest if m not in on_host][: 2 * max(1, workers - 1)] if exclusive else []
 
     # Then the longest modules, longest first: one started last would leave the other worker idle
     # to the end (a 4-minute tail in a CI run); then the other slow ones; file order otherwise.

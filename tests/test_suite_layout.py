@@ -80,8 +80,8 @@ def test_a_module_runs_on_one_worker_with_its_fixtures_built_once(tmp_path: Path
 
 def test_the_longest_modules_named_for_the_schedule_exist_and_go_first() -> None:
     """testkit.LONGEST_MODULES name real modules (a renamed one would silently lose its place),
-    and a collection hands them out longest first, after the exclusive-host modules and the one
-    long module that goes beside the first of them."""
+    and a collection hands them out longest first, after the exclusive-host modules and the two
+    long modules that go beside the first of them."""
     for module in testkit.LONGEST_MODULES:
         assert (testkit.REPO / module).is_file(), module
     done = subprocess.run(
@@ -94,10 +94,10 @@ def test_the_longest_modules_named_for_the_schedule_exist_and_go_first() -> None
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     order = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
-    # The first exclusive-host module, beside it (the other of two workers) the longest module
-    # that never takes the test host's lock (the fresh machine's own container), the other
-    # exclusive-host module, then the rest of the longest, longest first.
+    # The first exclusive-host module, beside it (the other of two workers) the two longest modules
+    # that never take the test host's lock (the fresh machine's own container, the smol run), the
+    # other exclusive-host module, then the rest of the longest, longest first.
     exclusive = ["tests/e2e/test_doctor_e2e.py", "tests/e2e/test_liveness_e2e.py"]
-    beside = "tests/e2e/test_fresh_machine.py"
-    rest = [m for m in testkit.LONGEST_MODULES if m != beside]
-    assert order[: 3 + len(rest)] == [exclusive[0], beside, exclusive[1], *rest], order[:8]
+    beside = ["tests/e2e/test_fresh_machine.py", "tests/training/run/test_smol.py"]
+    rest = [m for m in testkit.LONGEST_MODULES if m not in beside]
+    assert order[: 4 + len(rest)] == [exclusive[0], *beside, exclusive[1], *rest], order[:8]
