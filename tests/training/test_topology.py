@@ -21,7 +21,7 @@ import torch
 
 from training.config import ConfigError, load_config
 from training.events import read_events, validate_event
-from training.run.pipeline import KIND_BATCH, Header, WorkItem, unpack
+from training.run.pipeline import KIND_BATCH, Header, Message, RankLost, WorkItem, ready_messages, unpack
 from training.run.plan import best_split, predict_splits
 from training.topology import Topology, parse_topology, pin_visible_gpu, visible_gpu_of
 
@@ -71,6 +71,24 @@ def test_a_cpu_run_leaves_the_visible_gpus_alone(monkeypatch: pytest.MonkeyPatch
 def test_parse_topology_rejects(text: str) -> None:
     with pytest.raises(ConfigError, match="topology"):
         parse_topology(text)
+
+
+def test_a_lost_peer_is_named_even_with_other_peers_messages_queued_behind_it() -> None:
+    """A drafter's inbox: target 1's receiver reported its error, target 0's header arrived after
+    it (a 2+1 job whose rank 1 was killed). The error names rank 1, whatever follows it."""
+    import queue
+
+    inbox: queue.Queue[Message] = queue.Queue()
+    header = Header(KIND_BATCH, 3, 0, 3, 0, 1, 4, 1, 8, torch.float32)
+    inbox.put(Message(0, "header", header))
+    inbox.put(Message(1, "error", "Connection closed by peer [127.0.0.1]:62632\nmore"))
+    inbox.put(Message(0, "header", header))
+    got = []
+    with pytest.raises(RankLost) as lost:
+        got.extend(ready_messages(inbox, lambda rank: f"rank {rank} (target {rank})"))
+    assert [m.peer for m in got] == [0] and lost.value.peer == 1
+    assert str(lost.value) == "lost rank 1 (target 1): Connection closed by peer [127.0.0.1]:62632"
+    assert list(ready_messages(inbox, str)) == [Message(0, "header", header)]  # the rest stays
 
 
 def test_pipeline_section_in_config() -> None:

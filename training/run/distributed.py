@@ -68,6 +68,7 @@ from training.run.pipeline import (
     item_sender,
     next_message,
     post_receive,
+    ready_messages,
     send_control,
     start_thread,
 )
@@ -117,18 +118,10 @@ class Worker:
         timeout = startup_timeout(self.timeout_s)
         dist.monitored_barrier(group=self.ctx.startup, timeout=timeout, wait_all_ranks=True)
 
-    def ready(self, waiting_for: str) -> Iterator[Message]:
+    def ready(self) -> Iterator[Message]:
         """The messages already in the inbox, without waiting; an error among them raises
         ``RankLost`` naming the peer."""
-        while True:
-            try:
-                message = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if message.kind == "error":
-                self.inbox.put(message)
-                self.message(waiting_for)  # raises RankLost naming the peer
-            yield message
+        return ready_messages(self.inbox, self.ctx.describe)
 
     def message(self, waiting_for: str, peer: int | None = None) -> Message:
         started = time.monotonic()
@@ -230,7 +223,7 @@ class TargetWorker(Worker):
                 stopped_by_signal |= message.value == STOP_SIGNAL
 
         while open_:
-            for ready in self.ready("peers"):
+            for ready in self.ready():
                 handle(ready)
             if not open_:  # the last STOP came in with the ready messages: nothing to wait for
                 break
@@ -361,7 +354,7 @@ class DrafterWorker(Worker):
         if self.config.pipeline.order == "fixed":
             want = topo.target_ranks[(self.taken * topo.drafters + self.ctx.index) % topo.targets]
         while True:
-            for message in self.ready("targets"):
+            for message in self.ready():
                 self._file(message)
             source = self._pick(want)
             if source is not None:

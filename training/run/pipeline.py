@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,9 +270,27 @@ def next_message(
     except queue.Empty:
         raise RankLost(f"no message for {timeout_s:.0f}s while waiting for {waiting_for}", peer) from None
     if message.kind == "error":
-        first = str(message.value).strip().splitlines()[0] if str(message.value).strip() else "error"
-        raise RankLost(f"lost {describe(message.peer)}: {first[:200]}", message.peer)
+        raise lost_peer(message, describe)
     return message
+
+
+def ready_messages(inbox: queue.Queue[Message], describe: Callable[[int], str]) -> Iterator[Message]:
+    """The messages already in the inbox, without waiting; an error among them raises
+    ``RankLost`` naming its peer at once (other peers' messages may have queued behind it)."""
+    while True:
+        try:
+            message = inbox.get_nowait()
+        except queue.Empty:
+            return
+        if message.kind == "error":
+            raise lost_peer(message, describe)
+        yield message
+
+
+def lost_peer(message: Message, describe: Callable[[int], str]) -> RankLost:
+    """The ``RankLost`` a helper thread's error message stands for: its peer, the error's first line."""
+    first = str(message.value).strip().splitlines()[0] if str(message.value).strip() else "error"
+    return RankLost(f"lost {describe(message.peer)}: {first[:200]}", message.peer)
 
 
 class Balance:
@@ -347,8 +365,10 @@ __all__ = [
     "control_receiver",
     "header_receiver",
     "item_sender",
+    "lost_peer",
     "next_message",
     "post_receive",
+    "ready_messages",
     "send_control",
     "send_item",
     "start_thread",
