@@ -97,7 +97,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     exclusive = list(dict.fromkeys(marked))
     on_host = {_module(item) for item in items if _takes_the_host(item)}
     workers = getattr(config, "workerinput", {}).get("workercount", 2)
-    longest = [m for m in testkit.LONGEST_MODULES if m in {_module(item) for item in items}]
+    modules = {_module(item) for item in items}
+    longest = [m for m in testkit.LONGEST_MODULES if m in modules]
     beside = [m for m in longest if m not in on_host][: 2 * max(1, workers - 1)] if exclusive else []
 
     # Then the longest modules, longest first: one started last would leave the other worker idle

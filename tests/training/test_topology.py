@@ -81,7 +81,7 @@ def test_a_lost_peer_is_named_even_with_other_peers_messages_queued_behind_it() 
     inbox: queue.Queue[Message] = queue.Queue()
     header = Header(KIND_BATCH, 3, 0, 3, 0, 1, 4, 1, 8, torch.float32)
     inbox.put(Message(0, "header", header))
-    inbox.put(Message(1, "error", "Connection closed by peer [127.0.0.1]:62632\nmore"))
+    inbox.put(Message(1, "error", RuntimeError("Connection closed by peer [127.0.0.1]:62632\nmore")))
     inbox.put(Message(0, "header", header))
     got = []
     with pytest.raises(RankLost) as lost:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrainingError
-from training.events import EventWriter
+from training.events import EventWriter, first_line
 
 HEADER_LEN = 10
 KIND_BATCH, KIND_END = 1, 2
@@ -270,7 +270,7 @@ def next_message(
     except queue.Empty:
         raise RankLost(f"no message for {timeout_s:.0f}s while waiting for {waiting_for}", peer) from None
     if message.kind == "error":
-        raise lost_peer(message, describe)
+        raise _lost_peer(message, describe)
     return message
 
 
@@ -283,13 +283,13 @@ def ready_messages(inbox: queue.Queue[Message], describe: Callable[[int], str]) 
         except queue.Empty:
             return
         if message.kind == "error":
-            raise lost_peer(message, describe)
+            raise _lost_peer(message, describe)
         yield message
 
 
-def lost_peer(message: Message, describe: Callable[[int], str]) -> RankLost:
+def _lost_peer(message: Message, describe: Callable[[int], str]) -> RankLost:
     """The ``RankLost`` a helper thread's error message stands for: its peer, the error's first line."""
-    first = str(message.value).strip().splitlines()[0] if str(message.value).strip() else "error"
+    first = first_line(message.value) or "error"
     return RankLost(f"lost {describe(message.peer)}: {first[:200]}", message.peer)
 
 
@@ -365,7 +365,6 @@ __all__ = [
     "control_receiver",
     "header_receiver",
     "item_sender",
-    "lost_peer",
     "next_message",
     "post_receive",
     "ready_messages",
