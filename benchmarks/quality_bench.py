@@ -56,6 +56,7 @@ import json
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -651,9 +652,11 @@ def reach_lines(results: dict[str, Any], args: argparse.Namespace, reference: st
     goal = taus[reference][-1][1]
     lines = [f"\n{reference}'s final held-out tau {goal:.3f} after {ref_run['train_s']:.1f} s of training:"]
     for arm, curve in taus.items():
-        if arm.startswith("specforge"):
-            continue
         run = results.get(arm, {})
+        seed = seed_of(arm, run)
+        # fleet at another seed is set beside SpecForge at its own seed (the pairs' table)
+        if arm.startswith("specforge") or (seed is not None and ref_run.get("seed", seed) != seed):
+            continue
         total = run.get("steps") or arm_steps(args, arm)
         timed = [(seconds_at(run, step, total), tau) for step, tau in curve]
         if any(t is None for t, _ in timed):
@@ -666,6 +669,86 @@ def reach_lines(results: dict[str, Any], args: argparse.Namespace, reference: st
                 if reached is not None
                 else f"does not reach it (best {max(t for _, t in curve):.3f})"
             )
+        )
+    return lines
+
+
+SEED_OVERRIDES = ("--train.seed=", "--data.seed=")
+
+
+def seed_of(arm: str, run: dict[str, Any]) -> int | None:
+    """The seed of an arm that is one trainer's recipe at one seed: SpecForge's YAML ``seed``;
+    fleet's last ``--train.seed`` (the config's 0 without one) for the base arm and for levers
+    that change the seeds alone. Any other lever has no SpecForge twin: None."""
+    if arm.startswith("specforge"):
+        return run.get("seed")
+    lever = run.get("lever")
+    if lever is not None and (
+        lever["data"] != "base" or not all(o.startswith(SEED_OVERRIDES) for o in lever["overrides"])
+    ):
+        return None
+    seeds = [int(a.partition("=")[2]) for a in run.get("argv", []) if a.startswith("--train.seed=")]
+    return seeds[-1] if seeds else 0
+
+
+def seed_pairs(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """fleet and SpecForge at the same seed and final step: their final held-out taus, the gap, and
+    the seconds fleet takes to reach that seed's SpecForge final tau against SpecForge's training."""
+    taus = curves(results)
+    by_seed: dict[int, dict[str, str]] = {}
+    for arm in taus:
+        seed = seed_of(arm, results.get(arm, {}))
+        if seed is not None:
+            trainer = "specforge" if arm.startswith("specforge") else "fleet"
+            by_seed.setdefault(seed, {}).setdefault(trainer, arm)
+    pairs = []
+    for seed, arms in sorted(by_seed.items()):
+        if len(arms) != 2 or taus[arms["fleet"]][-1][0] != taus[arms["specforge"]][-1][0]:
+            continue
+        fleet, ref = results.get(arms["fleet"], {}), results.get(arms["specforge"], {})
+        (step, ours), (_, theirs) = taus[arms["fleet"]][-1], taus[arms["specforge"]][-1]
+        total = fleet.get("steps") or arm_steps(args, arms["fleet"])
+        timed = [(seconds_at(fleet, s, total), tau) for s, tau in taus[arms["fleet"]]]
+        reached = None if any(t is None for t, _ in timed) else time_to_reach(timed, theirs)
+        pairs.append(
+            {
+                "seed": seed,
+                "step": step,
+                "fleet": arms["fleet"],
+                "specforge": arms["specforge"],
+                "fleet_tau": ours,
+                "specforge_tau": theirs,
+                "gap": ours - theirs,
+                "fleet_s": fleet.get("train_s"),
+                "specforge_s": ref.get("train_s"),
+                "ratio": reached / ref["train_s"] if reached is not None and ref.get("train_s") else None,
+            }
+        )
+    return pairs
+
+
+def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
+    """The pairs as a table, then the mean gap over seeds with its standard error (the sample's
+    standard deviation over the square root of the count): one seed's gap is one draw of a spread."""
+    if not pairs:
+        return []
+    lines = [
+        "\n| seed | step | fleet | SpecForge | fleet - SpecForge | training s, fleet / SpecForge | "
+        "fleet's time to SpecForge's final tau |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in pairs:
+        seconds = f"{p['fleet_s'] or 0:.1f} / {p['specforge_s'] or 0:.1f}"
+        reach = f"{p['ratio']:.2f}x" if p["ratio"] is not None else "not reached"
+        lines.append(
+            f"| {p['seed']} | {p['step']} | {p['fleet_tau']:.3f} | {p['specforge_tau']:.3f} | "
+            f"{p['gap']:+.3f} | {seconds} | {reach} |"
+        )
+    gaps = [p["gap"] for p in pairs]
+    if len(gaps) > 1:
+        error = statistics.stdev(gaps) / len(gaps) ** 0.5
+        lines.append(
+            f"\nmean gap over {len(gaps)} seeds: {statistics.mean(gaps):+.3f} (standard error {error:.3f})"
         )
     return lines
 
@@ -692,6 +775,7 @@ def cmd_report(args: argparse.Namespace) -> None:
                 f"tau {t.get('tau_mean')}, held-out {h.get('tau_mean')} ({args.diag_prompts} each)"
             )
     lines += reach_lines(results, args)
+    lines += pair_lines(seed_pairs(results, args))
     text = "\n".join(lines)
     (args.out / "report.md").write_text(text + "\n")
     print(text)

@@ -186,3 +186,55 @@ def test_the_time_to_the_reference_tau_reads_each_arms_logged_step_times() -> No
     lines = q.reach_lines(results, args)
     assert lines[0].strip() == "specforge's final held-out tau 1.800 after 200.0 s of training:"
     assert lines[1:] == ["- fleet: reaches it at 120.0 s = 0.60x", "- slow: does not reach it (best 1.700)"]
+
+
+def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_its_error() -> None:
+    """Several seeds in one run: fleet at seed N is set beside SpecForge at seed N (not beside the
+    first SpecForge arm); a lever that changes more than the seeds has no twin; the mean gap comes
+    with its standard error."""
+    import argparse
+
+    q = bench()
+    args = argparse.Namespace(steps=800, points=1, levers=[])
+    base = ["-m", "training", "train", "--train.seed=2", "--data.seed=2"]
+
+    def evals(*arm_tau: tuple[str, float]) -> dict:
+        return {f"{a}-800": {"arm": a, "step": 800, "held_out": {"tau_mean": t}} for a, t in arm_tau}
+
+    results = {
+        "fleet": {"argv": base, "train_s": 90.0, "steps": 800, "at_step": {"800": 90.0}},
+        "s3": {
+            "argv": [*base, "--train.seed=3", "--data.seed=3"],
+            "train_s": 60.0,
+            "steps": 800,
+            "at_step": {"800": 60.0},
+            "lever": {"data": "base", "overrides": ["--train.seed=3", "--data.seed=3"]},
+        },
+        "allfull": {
+            "argv": [*base, "--drafter.full_attention_layers=[0,1,2,3]"],
+            "train_s": 80.0,
+            "steps": 800,
+            "lever": {"data": "base", "overrides": ["--drafter.full_attention_layers=[0,1,2,3]"]},
+        },
+        "specforge": {"seed": 2, "train_s": 150.0, "steps": 800},
+        "specforge-s3": {"seed": 3, "train_s": 160.0, "steps": 800},
+        "specforge-s4": {"seed": 4, "train_s": 170.0, "steps": 800},
+        "evals": evals(
+            ("fleet", 1.90), ("s3", 1.80), ("allfull", 2.0),
+            ("specforge", 1.85), ("specforge-s3", 1.84), ("specforge-s4", 1.9),
+        ),
+    }  # fmt: skip
+    assert [q.seed_of(a, results[a]) for a in ("fleet", "s3", "allfull", "specforge-s3")] == [2, 3, None, 3]
+    pairs = q.seed_pairs(results, args)
+    twins = [(p["seed"], p["fleet"], p["specforge"]) for p in pairs]
+    assert twins == [(2, "fleet", "specforge"), (3, "s3", "specforge-s3")]
+    assert [round(p["gap"], 3) for p in pairs] == [0.05, -0.04]
+    # seed 2: 1.85 reached between (0 s, 1.0) and (90 s, 1.9) at 85 s of SpecForge's 150; seed 3 never
+    assert pairs[0]["ratio"] == pytest.approx(85.0 / 150.0) and pairs[1]["ratio"] is None
+    lines = q.pair_lines(pairs)
+    assert "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / 150.0 | 0.57x |" in lines
+    assert "| 3 | 800 | 1.800 | 1.840 | -0.040 | 60.0 / 160.0 | not reached |" in lines
+    assert lines[-1].strip() == "mean gap over 2 seeds: +0.005 (standard error 0.045)"
+    # the time-to-reach lines compare SpecForge's first arm (seed 2) with fleet's arms at seed 2 and the lever
+    assert [ln.split(":")[0] for ln in q.reach_lines(results, args)[1:]] == ["- fleet", "- allfull"]
+    assert q.pair_lines([]) == []
