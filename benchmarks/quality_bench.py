@@ -721,6 +721,7 @@ def seed_pairs(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 "gap": ours - theirs,
                 "fleet_s": fleet.get("train_s"),
                 "specforge_s": ref.get("train_s"),
+                "reached_s": reached,
                 "ratio": reached / ref["train_s"] if reached is not None and ref.get("train_s") else None,
             }
         )
@@ -738,8 +739,15 @@ def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in pairs:
-        seconds = f"{p['fleet_s'] or 0:.1f} / {p['specforge_s'] or 0:.1f}"
-        reach = f"{p['ratio']:.2f}x" if p["ratio"] is not None else "not reached"
+        seconds = " / ".join(f"{s:.1f}" if s else "not timed" for s in (p["fleet_s"], p["specforge_s"]))
+        if p["ratio"] is not None:
+            reach = f"{p['ratio']:.2f}x"
+        else:
+            reach = (
+                "not reached"
+                if p["reached_s"] is None
+                else f"at {p['reached_s']:.1f} s (SpecForge not timed)"
+            )
         lines.append(
             f"| {p['seed']} | {p['step']} | {p['fleet_tau']:.3f} | {p['specforge_tau']:.3f} | "
             f"{p['gap']:+.3f} | {seconds} | {reach} |"

@@ -238,3 +238,12 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
     # the time-to-reach lines compare SpecForge's first arm (seed 2) with fleet's arms at seed 2 and the lever
     assert [ln.split(":")[0] for ln in q.reach_lines(results, args)[1:]] == ["- fleet", "- allfull"]
     assert q.pair_lines([]) == []
+    untimed = {
+        **pairs[0],
+        "specforge_s": None,
+        "ratio": None,
+    }  # SpecForge's seconds unknown: not "not reached"
+    assert (
+        "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / not timed | at 85.0 s (SpecForge not timed) |"
+        in q.pair_lines([untimed])
+    )
