@@ -642,6 +642,20 @@ def time_to_reach(curve: list[tuple[float, float]], goal: float) -> float | None
     return None
 
 
+def timed_curve(
+    run: dict[str, Any], arm: str, curve: list[tuple[int, float]], args: argparse.Namespace
+) -> list[tuple[float, float]] | None:
+    """An arm's (seconds from launch, tau) points; None when a checkpoint has no time."""
+    total = run.get("steps") or arm_steps(args, arm)
+    timed = []
+    for step, tau in curve:
+        seconds = seconds_at(run, step, total)
+        if seconds is None:
+            return None
+        timed.append((seconds, tau))
+    return timed
+
+
 def reach_lines(results: dict[str, Any], args: argparse.Namespace, reference: str = "specforge") -> list[str]:
     """For each fleet arm: when it reaches the reference arm's final held-out tau, against the
     reference's training seconds (the goal: <= 0.7x)."""
@@ -657,9 +671,8 @@ def reach_lines(results: dict[str, Any], args: argparse.Namespace, reference: st
         # fleet at another seed is set beside SpecForge at its own seed (the pairs' table)
         if arm.startswith("specforge") or (seed is not None and ref_run.get("seed", seed) != seed):
             continue
-        total = run.get("steps") or arm_steps(args, arm)
-        timed = [(seconds_at(run, step, total), tau) for step, tau in curve]
-        if any(t is None for t, _ in timed):
+        timed = timed_curve(run, arm, curve, args)
+        if timed is None:
             continue
         reached = time_to_reach(timed, goal)
         lines.append(
@@ -692,8 +705,8 @@ def seed_of(arm: str, run: dict[str, Any]) -> int | None:
 
 
 def seed_pairs(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """fleet and SpecForge at the same seed and final step: their final held-out taus, the gap, and
-    the seconds fleet takes to reach that seed's SpecForge final tau against SpecForge's training."""
+    """fleet and SpecForge at the same seed and final step: their final held-out taus, the gap, each
+    one's training seconds and the seconds fleet takes to reach that seed's SpecForge final tau."""
     taus = curves(results)
     by_seed: dict[int, dict[str, str]] = {}
     for arm in taus:
@@ -707,9 +720,8 @@ def seed_pairs(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
             continue
         fleet, ref = results.get(arms["fleet"], {}), results.get(arms["specforge"], {})
         (step, ours), (_, theirs) = taus[arms["fleet"]][-1], taus[arms["specforge"]][-1]
-        total = fleet.get("steps") or arm_steps(args, arms["fleet"])
-        timed = [(seconds_at(fleet, s, total), tau) for s, tau in taus[arms["fleet"]]]
-        reached = None if any(t is None for t, _ in timed) else time_to_reach(timed, theirs)
+        timed = timed_curve(fleet, arms["fleet"], taus[arms["fleet"]], args)
+        reached = None if timed is None else time_to_reach(timed, theirs)
         pairs.append(
             {
                 "seed": seed,
@@ -722,7 +734,6 @@ def seed_pairs(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 "fleet_s": fleet.get("train_s"),
                 "specforge_s": ref.get("train_s"),
                 "reached_s": reached,
-                "ratio": reached / ref["train_s"] if reached is not None and ref.get("train_s") else None,
             }
         )
     return pairs
@@ -740,14 +751,12 @@ def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
     ]
     for p in pairs:
         seconds = " / ".join(f"{s:.1f}" if s else "not timed" for s in (p["fleet_s"], p["specforge_s"]))
-        if p["ratio"] is not None:
-            reach = f"{p['ratio']:.2f}x"
+        if p["reached_s"] is None:
+            reach = "not reached"
+        elif p["specforge_s"]:
+            reach = f"{p['reached_s'] / p['specforge_s']:.2f}x"
         else:
-            reach = (
-                "not reached"
-                if p["reached_s"] is None
-                else f"at {p['reached_s']:.1f} s (SpecForge not timed)"
-            )
+            reach = f"at {p['reached_s']:.1f} s (SpecForge not timed)"
         lines.append(
             f"| {p['seed']} | {p['step']} | {p['fleet_tau']:.3f} | {p['specforge_tau']:.3f} | "
             f"{p['gap']:+.3f} | {seconds} | {reach} |"

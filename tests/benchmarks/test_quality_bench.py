@@ -230,7 +230,8 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
     assert twins == [(2, "fleet", "specforge"), (3, "s3", "specforge-s3")]
     assert [round(p["gap"], 3) for p in pairs] == [0.05, -0.04]
     # seed 2: 1.85 reached between (0 s, 1.0) and (90 s, 1.9) at 85 s of SpecForge's 150; seed 3 never
-    assert pairs[0]["ratio"] == pytest.approx(85.0 / 150.0) and pairs[1]["ratio"] is None
+    assert pairs[0]["reached_s"] == pytest.approx(85.0) and pairs[0]["specforge_s"] == 150.0
+    assert pairs[1]["reached_s"] is None
     lines = q.pair_lines(pairs)
     assert "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / 150.0 | 0.57x |" in lines
     assert "| 3 | 800 | 1.800 | 1.840 | -0.040 | 60.0 / 160.0 | not reached |" in lines
@@ -238,11 +239,7 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
     # the time-to-reach lines compare SpecForge's first arm (seed 2) with fleet's arms at seed 2 and the lever
     assert [ln.split(":")[0] for ln in q.reach_lines(results, args)[1:]] == ["- fleet", "- allfull"]
     assert q.pair_lines([]) == []
-    untimed = {
-        **pairs[0],
-        "specforge_s": None,
-        "ratio": None,
-    }  # SpecForge's seconds unknown: not "not reached"
+    untimed = {**pairs[0], "specforge_s": None}  # SpecForge's seconds unknown: not "not reached"
     assert (
         "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / not timed | at 85.0 s (SpecForge not timed) |"
         in q.pair_lines([untimed])
