@@ -37,6 +37,8 @@ same steps:
   the second, independent evaluator; its figure beside fleet's in the report).
 - ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
   the markdown rows for benchmarks/RESULTS.md.
+- ``pairs``: the seed pairs of several runs kept side by side (``OUT/<run>/results.json``, one
+  device call per seed's pair) in one table, with the mean gap over them and its standard error.
 
     python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge]
         [--lever "opt=base --train.beta2=0.999" --lever "data=packages" ...] [--concurrent]
@@ -762,12 +764,41 @@ def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
             f"{p['gap']:+.3f} | {seconds} | {reach} |"
         )
     gaps = [p["gap"] for p in pairs]
+    seeds = len({p["seed"] for p in pairs})
     if len(gaps) > 1:
         error = statistics.stdev(gaps) / len(gaps) ** 0.5
-        lines.append(
-            f"\nmean gap over {len(gaps)} seeds: {statistics.mean(gaps):+.3f} (standard error {error:.3f})"
-        )
+        over = f"{seeds} seeds" if seeds == len(gaps) else f"{len(gaps)} pairs ({seeds} seeds)"
+        lines.append(f"\nmean gap over {over}: {statistics.mean(gaps):+.3f} (standard error {error:.3f})")
     return lines
+
+
+def cmd_pairs(args: argparse.Namespace) -> None:
+    """Every seed pair of the runs kept under ``--out`` (one folder each, as ``all`` leaves them:
+    one device call trains one seed's pair), in one table with the mean gap over them all."""
+    found = sorted(args.out.glob("*/results.json"))
+    if not found:
+        raise SystemExit(f"quality_bench: no */results.json under {args.out}: put each run's folder there")
+    pairs = [p for path in found for p in seed_pairs(json.loads(path.read_text()), args)]
+    text = "\n".join(pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"])
+    (args.out / "pairs.md").write_text(text.lstrip() + "\n")
+    print(text.lstrip())
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    seeds = [p["seed"] for p in pairs]
+    for trainer, marker in (("fleet", "o"), ("specforge", "s")):
+        ax.scatter(seeds, [p[f"{trainer}_tau"] for p in pairs], marker=marker, label=trainer)
+    ax.set_xticks(sorted(set(seeds)))
+    ax.set(xlabel="seed (both trainers)", ylabel=f"held-out tau per round ({args.held_out} prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "pairs.png", dpi=110)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -880,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"all": cmd_all, "data": cmd_data, "fleet": cmd_fleet, "features": cmd_features}
     steps |= {"specforge": cmd_specforge, "packages-data": cmd_packages_data, "levers": cmd_levers}
     steps |= {"packages-regen": cmd_packages_regen}
-    steps |= {"eval": cmd_eval, "report": cmd_report}
+    steps |= {"eval": cmd_eval, "report": cmd_report, "pairs": cmd_pairs}
     parser.add_argument("step", choices=tuple(steps))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=800)

@@ -244,3 +244,37 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
         "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / not timed | at 85.0 s (SpecForge not timed) |"
         in q.pair_lines([untimed])
     )
+
+
+def test_the_pairs_of_runs_kept_side_by_side_make_one_table_and_one_mean(tmp_path: Path, capsys) -> None:
+    """One device call trains one seed's pair: ``pairs`` reads each run's results.json under --out
+    and sets every pair in one table, ordered by seed, with the mean gap over all of them; a seed
+    trained twice is counted as a pair, not as another seed; no runs at all is one clear line."""
+    q = bench()
+
+    def run(seed: int, ours: float, theirs: float) -> dict:
+        argv = ["-m", "training", "train", f"--train.seed={seed}", f"--data.seed={seed}"]
+        return {
+            "fleet": {"argv": argv, "train_s": 60.0, "steps": 800, "at_step": {"800": 60.0}},
+            "specforge": {"seed": seed, "train_s": 120.0, "steps": 800},
+            "evals": {
+                f"{arm}-800": {"arm": arm, "step": 800, "held_out": {"tau_mean": tau}}
+                for arm, tau in (("fleet", ours), ("specforge", theirs))
+            },
+        }
+
+    for name, seed, ours, theirs in (("b", 5, 1.879, 1.930), ("a", 3, 1.950, 1.882), ("c", 3, 1.94, 1.9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run(seed, ours, theirs)))
+    assert q.main(["pairs", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ")[0:5] for line in printed if line.startswith("| 3") or line.startswith("| 5")]
+    assert rows == [
+        ["| 3", "800", "1.950", "1.882", "+0.068"],
+        ["| 3", "800", "1.940", "1.900", "+0.040"],
+        ["| 5", "800", "1.879", "1.930", "-0.051"],
+    ]
+    assert printed[-1] == "mean gap over 3 pairs (2 seeds): +0.019 (standard error 0.036)"
+    assert (tmp_path / "pairs.md").read_text().splitlines()[-1] == printed[-1]
+    with pytest.raises(SystemExit, match=r"no \*/results\.json under"):
+        q.main(["pairs", "--out", str(tmp_path / "none")])
