@@ -14,7 +14,13 @@ from a local file (``--sdist`` / ``$FLEET_LLAMACPP_SDIST``, for machines without
 downloaded from the pinned URL, and verified either way.
 
 The build: CMake, Release, static, only ``TARGETS``; no OpenSSL, no web UI download, no tests;
-``GGML_NATIVE`` (the cache is per machine). CUDA (``GGML_CUDA=ON``) when ``cuda="on"``, or
+``GGML_NATIVE`` (the cache is per machine) but without ggml's AMX backend where ``-march=native``
+would enable it (an Intel CPU with AMX, Sapphire Rapids and later): that backend repacks Q4/Q8
+weights and then crashes in ``ggml_backend_amx_mul_mat`` at the first decode of SmolLM2's Q4_1
+GGUF (seen on this project's CI machine; ggml-org/llama.cpp#20824, closed without a fix; dspy
+removed the variant for the same crash, stanfordnlp/dspy#10079). ``-mno-amx-*`` before ggml's own
+``-march=native`` undefines ``__AMX_INT8__``, which compiles ``ggml-cpu/amx/`` out; the key says
+``-noamx`` so a build made before this is not reused. CUDA (``GGML_CUDA=ON``) when ``cuda="on"``, or
 ``"auto"`` and both ``nvcc`` (on ``PATH`` or in ``/usr/local/cuda/bin``) and a GPU are found;
 ``CMAKE_CUDA_ARCHITECTURES`` are the visible GPUs' compute capabilities (``nvidia-smi``), else
 (``cuda="on"`` without a visible GPU) llama.cpp's own default list.
@@ -27,7 +33,7 @@ Cache layout (``cache_root``: ``$FLEET_LLAMACPP_CACHE``, default ``~/.cache/flee
     <cache_root>/<key>/build.json      what was built, how, and how long it took (written last)
     <cache_root>/<key>/build.log       CMake's output
 
-``<key>`` = ``llama.cpp-<version>-<sha256[:12]>-<cpu|cuda-smNN>-<machine>``. A build happens in a
+``<key>`` = ``llama.cpp-<version>-<sha256[:12]>-<cpu|cuda-smNN>[-noamx]-<machine>``. A build happens in a
 hidden temp folder next to it and is renamed onto ``<key>`` only when complete, under an
 ``flock`` on ``<cache_root>/.<key>.lock``: parallel callers wait for one build and then reuse
 it, an interrupted build leaves nothing a later call mistakes for done, and a second call finds
@@ -179,8 +185,31 @@ def _resolve_cuda(cuda: str) -> tuple[Path | None, str]:
     return nvcc, archs
 
 
-def build_key(pin: Pin, nvcc: Path | None, archs: str) -> str:
+# The AMX ISA extensions, turned off ahead of ggml's -march=native (see the module doc).
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def native_amx(cxx: str = "c++") -> bool:
+    """Whether ``cxx -march=native`` targets AMX here: this CPU has it and the compiler knows it
+    (GCC >= 11, clang >= 11). Off x86-64, or without a compiler, False."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        macros = subprocess.run(
+            [cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "__AMX_INT8__" in macros or "__AMX_TILE__" in macros
+
+
+def build_key(pin: Pin, nvcc: Path | None, archs: str, no_amx: bool = False) -> str:
     kind = "cpu" if nvcc is None else "cuda-" + ("sm" + "-".join(archs.split(";")) if archs else "default")
+    kind += "-noamx" if no_amx else ""
     return f"llama.cpp-{pin.version}-{pin.sha256[:12]}-{kind}-{platform.machine() or 'unknown'}"
 
 
@@ -252,7 +281,9 @@ def _extract(sdist: Path, pin: Pin, dest: Path) -> None:
             target.chmod(0o755 if member.mode & 0o111 else 0o644)
 
 
-def cmake_args(src: Path, build: Path, nvcc: Path | None, archs: str, pin: Pin) -> list[str]:
+def cmake_args(
+    src: Path, build: Path, nvcc: Path | None, archs: str, pin: Pin, no_amx: bool = False
+) -> list[str]:
     args = [
         "cmake",
         "-S",
@@ -267,6 +298,8 @@ def cmake_args(src: Path, build: Path, nvcc: Path | None, archs: str, pin: Pin) 
         "-DLLAMA_BUILD_TESTS=OFF",
         f"-DLLAMA_BUILD_NUMBER={pin.version.split('.')[0]}",
     ]
+    if no_amx:  # one argv element each: CMake splits the flags, no shell sees them
+        args += [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
     if nvcc is not None:
@@ -312,7 +345,7 @@ def _as_build(root: Path, pin: Pin) -> LlamaBuild:
 def cached_build(cache_root: Path, *, cuda: str = "auto", pin: Pin = PIN) -> LlamaBuild | None:
     """The finished build ``ensure_llamacpp`` would return, or None (never builds)."""
     nvcc, archs = _resolve_cuda(cuda)
-    root = cache_root / build_key(pin, nvcc, archs)
+    root = cache_root / build_key(pin, nvcc, archs, native_amx())
     return _as_build(root, pin) if (root / MANIFEST).is_file() else None
 
 
@@ -328,7 +361,8 @@ def ensure_llamacpp(
     """The cached build for this machine, building it first if there is none (see the module doc)."""
     nvcc, archs = _resolve_cuda(cuda)
     cache_root = cache_root.expanduser().resolve()
-    key = build_key(pin, nvcc, archs)
+    no_amx = native_amx()
+    key = build_key(pin, nvcc, archs, no_amx)
     root = cache_root / key
     if (root / MANIFEST).is_file():
         return _as_build(root, pin)
@@ -352,7 +386,7 @@ def ensure_llamacpp(
             kind = f"CUDA {archs or 'default archs'}" if nvcc else "CPU"
             n = jobs or os.cpu_count() or 1
             log(f"building llama.cpp {pin.version} ({kind}, {n} jobs) into {root}; log: {root / 'build.log'}")
-            _run_logged(cmake_args(tmp / "src", build_dir, nvcc, archs, pin), log_file, "configure")
+            _run_logged(cmake_args(tmp / "src", build_dir, nvcc, archs, pin, no_amx), log_file, "configure")
             build = [
                 "cmake",
                 "--build",
@@ -380,6 +414,7 @@ def ensure_llamacpp(
                 "build_seconds": round(time.monotonic() - started, 1),
                 "jobs": n,
                 "machine": platform.machine(),
+                "cpu_flags": NO_AMX_FLAGS if no_amx else "",
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             os.replace(tmp, root)

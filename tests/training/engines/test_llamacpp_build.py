@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -81,10 +84,45 @@ def test_the_key_names_version_hash_and_backend() -> None:
     assert build_key(PIN, None, "").startswith("llama.cpp-11434.0.0-b0a2feb64c6f-cpu-")
     assert "-cuda-sm90-" in build_key(PIN, Path("/usr/local/cuda/bin/nvcc"), "90")
     assert "-cuda-sm90-120-" in build_key(PIN, Path("/x/nvcc"), "90;120")
+    # a build without AMX is another build: one made with it is never reused
+    assert "-cpu-noamx-" in build_key(PIN, None, "", no_amx=True)
+    assert "-cuda-sm90-noamx-" in build_key(PIN, Path("/x/nvcc"), "90", no_amx=True)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("c++") is None, reason="AMX: x86-64, built by c++"
+)
+def test_an_amx_cpu_builds_llama_cpp_without_ggmls_amx_backend(tmp_path: Path) -> None:
+    """ggml's AMX backend crashes at the first decode of a Q4_1 model (ggml-org/llama.cpp#20824):
+    where this CPU has AMX the build turns it off ahead of ``-march=native``. Checked against the
+    CPU's own flags and the compiler's own macros, not against the function's reasoning."""
+    knows_amx = subprocess.run(["c++", "-mamx-int8", "-E", "-x", "c++", os.devnull], capture_output=True)
+    assert llamacpp.native_amx() is ("amx_int8" in _cpu_flags() and knows_amx.returncode == 0)
+    args = llamacpp.cmake_args(tmp_path / "s", tmp_path / "b", None, "", PIN, no_amx=True)
+    c_flags = [a.partition("=")[2] for a in args if a.startswith("-DCMAKE_C_FLAGS=")]
+    cxx_flags = [a.partition("=")[2] for a in args if a.startswith("-DCMAKE_CXX_FLAGS=")]
+    assert c_flags == cxx_flags == [llamacpp.NO_AMX_FLAGS]
+    assert not any("AMX" in a for a in llamacpp.cmake_args(tmp_path / "s", tmp_path / "b", None, "", PIN))
+    # the flags, placed before ggml's -march=native as CMake places them, leave no AMX macro
+    macros = subprocess.run(
+        ["c++", *c_flags[0].split(), "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "__AMX_INT8__" not in macros and "__AMX_TILE__" not in macros
+    assert "__AVX2__" in macros or "avx2" not in _cpu_flags()  # the rest of native stays
 
 
 def test_a_finished_build_is_returned_without_building(tmp_path: Path) -> None:
-    root = tmp_path / build_key(PIN, None, "")
+    root = tmp_path / build_key(PIN, None, "", llamacpp.native_amx())
     (root / "bin").mkdir(parents=True)
     manifest = {"version": PIN.version, "source_sha256": PIN.sha256, "cuda": False}
     (root / "build.json").write_text(json.dumps(manifest))
@@ -108,6 +146,9 @@ def test_the_real_build_runs_and_a_second_call_is_a_no_op(llama_build: llamacpp.
         assert out.returncode == 0, out.stderr
         assert "version:" in out.stdout + out.stderr
     assert (llama_build.src_dir / "convert_hf_to_gguf.py").is_file()
+    if llamacpp.native_amx():  # ggml's AMX code compiled out (see the AMX test above)
+        assert llama_build.manifest()["cpu_flags"] == llamacpp.NO_AMX_FLAGS
+        assert b"ggml_backend_amx_mul_mat" not in llama_build.binary("llama-server").read_bytes()
     before = (llama_build.root / "build.json").stat().st_mtime_ns
     lines: list[str] = []
     again = ensure_llamacpp(llama_build.root.parent, log=lines.append)
