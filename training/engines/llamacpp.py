@@ -17,13 +17,14 @@ The build: CMake, Release, static, only ``TARGETS``; no OpenSSL, no web UI downl
 ``GGML_NATIVE`` (the cache is per machine) but without ggml's AMX backend where ``-march=native``
 would enable it (an Intel CPU with AMX, Sapphire Rapids and later): that backend repacks Q4/Q8
 weights and then crashes in ``ggml_backend_amx_mul_mat`` at the first decode of SmolLM2's Q4_1
-GGUF (seen on this project's CI machine; ggml-org/llama.cpp#20824, closed without a fix; dspy
+GGUF (seen on a 2-core Xeon VM with AMX; ggml-org/llama.cpp#20824, closed without a fix; dspy
 removed the variant for the same crash, stanfordnlp/dspy#10079). ``-mno-amx-*`` before ggml's own
 ``-march=native`` undefines ``__AMX_INT8__``, which compiles ``ggml-cpu/amx/`` out; the key says
-``-noamx`` so a build made before this is not reused. CUDA (``GGML_CUDA=ON``) when ``cuda="on"``, or
-``"auto"`` and both ``nvcc`` (on ``PATH`` or in ``/usr/local/cuda/bin``) and a GPU are found;
-``CMAKE_CUDA_ARCHITECTURES`` are the visible GPUs' compute capabilities (``nvidia-smi``), else
-(``cuda="on"`` without a visible GPU) llama.cpp's own default list.
+``-noamx``, so a cached build that has the backend is never taken for one without. CUDA
+(``GGML_CUDA=ON``) when ``cuda="on"``, or ``"auto"`` and both ``nvcc`` (on ``PATH`` or in
+``/usr/local/cuda/bin``) and a GPU are found; ``CMAKE_CUDA_ARCHITECTURES`` are the visible GPUs'
+compute capabilities (``nvidia-smi``), else (``cuda="on"`` without a visible GPU) llama.cpp's own
+default list.
 
 Cache layout (``cache_root``: ``$FLEET_LLAMACPP_CACHE``, default ``~/.cache/fleet-llama.cpp``)::
 
