@@ -235,7 +235,10 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
     lines = q.pair_lines(pairs)
     assert "| 2 | 800 | 1.900 | 1.850 | +0.050 | 90.0 / 150.0 | 0.57x |" in lines
     assert "| 3 | 800 | 1.800 | 1.840 | -0.040 | 60.0 / 160.0 | not reached |" in lines
-    assert lines[-1].strip() == "mean gap over 2 seeds: +0.005 (standard error 0.045)"
+    assert lines[-1].strip() == (
+        "mean gap over 2 seeds: +0.005 (standard error 0.045); "
+        "one-sided 95% lower bound -0.279 (t 6.314, 1 df)"
+    )
     # the time-to-reach lines compare SpecForge's first arm (seed 2) with fleet's arms at seed 2 and the lever
     assert [ln.split(":")[0] for ln in q.reach_lines(results, args)[1:]] == ["- fleet", "- allfull"]
     assert q.pair_lines([]) == []
@@ -274,7 +277,27 @@ def test_the_pairs_of_runs_kept_side_by_side_make_one_table_and_one_mean(tmp_pat
         ["| 3", "800", "1.940", "1.900", "+0.040"],
         ["| 5", "800", "1.879", "1.930", "-0.051"],
     ]
-    assert printed[-1] == "mean gap over 3 pairs (2 seeds): +0.019 (standard error 0.036)"
+    assert printed[-1] == (
+        "mean gap over 3 pairs (2 seeds): +0.019 (standard error 0.036); "
+        "one-sided 95% lower bound -0.086 (t 2.920, 2 df)"
+    )
     assert (tmp_path / "pairs.md").read_text().splitlines()[-1] == printed[-1]
     with pytest.raises(SystemExit, match=r"no \*/results\.json under"):
         q.main(["pairs", "--out", str(tmp_path / "none")])
+
+
+def test_the_t_table_gives_95_percent_one_sided_at_each_degree_of_freedom() -> None:
+    """Each tabled quantile, checked by integrating Student's t density (math.gamma, Simpson's rule):
+    the probability under it is 0.95 to the table's three decimals."""
+    import math
+
+    q = bench()
+
+    def cdf(t: float, df: int, n: int = 20000) -> float:
+        c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+        f = [c * (1 + (t * i / n) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        area = (t / n) / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+        return 0.5 + area
+
+    for df, t in enumerate(q.T95, start=1):
+        assert cdf(t - 0.0005, df) < 0.95 < cdf(t + 0.0005, df), (df, t)
