@@ -786,6 +786,18 @@ def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file backend, or None where it is not installed (no plot then)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def cmd_pairs(args: argparse.Namespace) -> None:
     """Every seed pair of the runs kept under ``--out`` (one folder each, as ``all`` leaves them:
     one device call trains one seed's pair), in one table with the mean gap over them all."""
@@ -796,12 +808,8 @@ def cmd_pairs(args: argparse.Namespace) -> None:
     text = "\n".join(pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"])
     (args.out / "pairs.md").write_text(text.lstrip() + "\n")
     print(text.lstrip())
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     seeds = [p["seed"] for p in pairs]
@@ -841,12 +849,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     text = "\n".join(lines)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
     for arm, curve in curves(results).items():

@@ -150,18 +150,17 @@ def find_nvcc() -> Path | None:
     return fallback if fallback.is_file() else None
 
 
-def cuda_architectures() -> str:
-    """``90`` for an H200, ``90;120`` for a mixed host; empty when no GPU answers (llama.cpp's list)."""
+def _probe(argv: list[str]) -> str:
+    """A quick query of this machine (nvidia-smi, the compiler): its stdout, "" when it cannot run."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def cuda_architectures() -> str:
+    """``90`` for an H200, ``90;120`` for a mixed host; empty when no GPU answers (llama.cpp's list)."""
+    out = _probe(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
     caps = sorted({line.strip().replace(".", "") for line in out.splitlines() if line.strip()})
     return ";".join(c for c in caps if c.isdigit())
 
@@ -195,16 +194,7 @@ def native_amx(cxx: str = "c++") -> bool:
     (GCC >= 11, clang >= 11). Off x86-64, or without a compiler, False."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    try:
-        macros = subprocess.run(
-            [cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
+    macros = _probe([cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull])
     return "__AMX_INT8__" in macros or "__AMX_TILE__" in macros
 
 
