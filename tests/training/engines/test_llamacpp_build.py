@@ -97,7 +97,8 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(
-    platform.machine() != "x86_64" or shutil.which("c++") is None, reason="AMX: x86-64, built by c++"
+    platform.machine() != "x86_64" or shutil.which("c++") is None or not Path("/proc/cpuinfo").is_file(),
+    reason="AMX: x86-64 Linux (its CPU flags in /proc/cpuinfo), built by c++",
 )
 def test_an_amx_cpu_builds_llama_cpp_without_ggmls_amx_backend(tmp_path: Path) -> None:
     """ggml's AMX backend crashes at the first decode of a Q4_1 model (ggml-org/llama.cpp#20824):
