@@ -38,7 +38,8 @@ same steps:
 - ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
   the markdown rows for benchmarks/RESULTS.md.
 - ``pairs``: the seed pairs of several runs kept side by side (``OUT/<run>/results.json``, one
-  device call per seed's pair) in one table, with the mean gap over them and its standard error.
+  device call per seed's pair) in one table, with the mean gap over them, its standard error and
+  its one-sided 95% lower bound.
 
     python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge]
         [--lever "opt=base --train.beta2=0.999" --lever "data=packages" ...] [--concurrent]
@@ -778,10 +779,11 @@ def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
     if len(gaps) > 1:
         error = statistics.stdev(gaps) / len(gaps) ** 0.5
         over = f"{seeds} seeds" if seeds == len(gaps) else f"{len(gaps)} pairs ({seeds} seeds)"
-        mean, t = statistics.mean(gaps), T95[min(len(gaps), len(T95) + 1) - 2]
+        mean, df = statistics.mean(gaps), len(gaps) - 1
+        t = T95[min(df, len(T95)) - 1]
         lines.append(
             f"\nmean gap over {over}: {mean:+.3f} (standard error {error:.3f}); one-sided 95% lower bound "
-            f"{mean - t * error:+.3f} (t {t:.3f}, {len(gaps) - 1} df)"
+            f"{mean - t * error:+.3f} (t {t:.3f}, {df} df)"
         )
     return lines
 
@@ -805,9 +807,11 @@ def cmd_pairs(args: argparse.Namespace) -> None:
     if not found:
         raise SystemExit(f"quality_bench: no */results.json under {args.out}: put each run's folder there")
     pairs = [p for path in found for p in seed_pairs(json.loads(path.read_text()), args)]
-    text = "\n".join(pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"])
-    (args.out / "pairs.md").write_text(text.lstrip() + "\n")
-    print(text.lstrip())
+    text = "\n".join(
+        pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"]
+    ).lstrip()
+    (args.out / "pairs.md").write_text(text + "\n")
+    print(text)
     plt = pyplot()
     if plt is None:
         return
