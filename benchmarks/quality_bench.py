@@ -39,7 +39,8 @@ same steps:
   the markdown rows for benchmarks/RESULTS.md.
 - ``pairs``: the seed pairs of several runs kept side by side (``OUT/<run>/results.json``, one
   device call per seed's pair) in one table, with the mean gap over them, its standard error and
-  its one-sided 95% lower bound.
+  its one-sided 95% lower bound, and whether every run had the same rows (``data``'s sha256 of the
+  train and held-out files, recorded in each results.json).
 
     python benchmarks/quality_bench.py all --out OUT [--steps 800 --points 4 --arms fleet,specforge]
         [--lever "opt=base --train.beta2=0.999" --lever "data=packages" ...] [--concurrent]
@@ -54,6 +55,7 @@ recorded and the next one runs. One H200: ``benchmarks/gpu/quality.sh``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -152,7 +154,37 @@ def cmd_data(args: argparse.Namespace) -> None:
     held, train = split_rows(rows, args.held_out, args.seed)
     write_jsonl(out / "heldout.jsonl", held)
     write_jsonl(out / "train.jsonl", train)
+    save(out, "data", {name: sha256_of(out / name) for name in SPLIT_FILES})
     log(f"data: {len(rows)} rows: {len(held)} held out, {len(train)} to train on")
+
+
+SPLIT_FILES = ("train.jsonl", "heldout.jsonl")
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def data_line(runs: dict[str, dict[str, Any]]) -> str:
+    """Whether the runs set side by side trained and evaluated on the same bytes: the target
+    regenerates the rows in each device call (greedy, so the same prompts give the same replies on
+    one GPU, not necessarily on another), and pairs on other rows are not the same comparison."""
+    digests = {name: run.get("data") for name, run in runs.items()}
+    unknown = sorted(name for name, digest in digests.items() if not digest)
+    kinds = {json.dumps(digest, sort_keys=True) for digest in digests.values() if digest}
+    if len(kinds) > 1:
+        each = ", ".join(
+            f"{name} {digest['train.jsonl'][:12]}/{digest['heldout.jsonl'][:12]}"
+            for name, digest in sorted(digests.items())
+            if digest
+        )
+        return f"data: NOT the same in every run (train/held-out sha256: {each}): pair runs of one data set"
+    if not kinds:
+        return f"data: no sha256 recorded in {', '.join(unknown)}"
+    known, digest = len(runs) - len(unknown), json.loads(kinds.pop())
+    line = f"data: identical in {known} run{'s' * (known != 1)}"
+    line += f" (sha256 train {digest['train.jsonl'][:16]}, held-out {digest['heldout.jsonl'][:16]})"
+    return line + (f"; not recorded in {', '.join(unknown)}" if unknown else "")
 
 
 def packages_regen(args: argparse.Namespace) -> list[str]:
@@ -806,10 +838,10 @@ def cmd_pairs(args: argparse.Namespace) -> None:
     found = sorted(args.out.glob("*/results.json"))
     if not found:
         raise SystemExit(f"quality_bench: no */results.json under {args.out}: put each run's folder there")
-    pairs = [p for path in found for p in seed_pairs(json.loads(path.read_text()), args)]
-    text = "\n".join(
-        pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"]
-    ).lstrip()
+    runs = {path.parent.name: json.loads(path.read_text()) for path in found}
+    pairs = [p for run in runs.values() for p in seed_pairs(run, args)]
+    lines = pair_lines(sorted(pairs, key=lambda p: p["seed"])) or ["no seed pairs in those runs"]
+    text = "\n".join([*lines, "", data_line(runs)]).lstrip()
     (args.out / "pairs.md").write_text(text + "\n")
     print(text)
     plt = pyplot()

@@ -249,10 +249,28 @@ def test_each_seed_pairs_fleet_with_specforge_at_that_seed_and_the_mean_gap_has_
     )
 
 
+def test_the_data_step_records_the_sha256_of_the_files_both_arms_read(tmp_path: Path, monkeypatch) -> None:
+    """``data`` writes the split and keeps each file's sha256 in results.json, so runs of other
+    device calls can be shown to share their rows (checked here with hashlib on the files read back)."""
+    import hashlib
+
+    q = bench()
+    regenerated = tmp_path / "regen.jsonl"
+    regenerated.write_text("".join(json.dumps(row) + "\n" for row in rows(10)))
+    monkeypatch.setattr(q, "regenerate", lambda overrides: regenerated)  # the target's replies, already made
+    out = tmp_path / "run"
+    assert q.main(["data", "--out", str(out), "--held-out", "3"]) == 0
+    digests = json.loads((out / "results.json").read_text())["data"]
+    files = ("train.jsonl", "heldout.jsonl")
+    assert digests == {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files}
+    assert len((out / "heldout.jsonl").read_text().splitlines()) == 3
+
+
 def test_the_pairs_of_runs_kept_side_by_side_make_one_table_and_one_mean(tmp_path: Path, capsys) -> None:
     """One device call trains one seed's pair: ``pairs`` reads each run's results.json under --out
     and sets every pair in one table, ordered by seed, with the mean gap over all of them; a seed
-    trained twice is counted as a pair, not as another seed; no runs at all is one clear line."""
+    trained twice is counted as a pair, not as another seed; a last line says whether every run had
+    the same rows (their recorded sha256) and names runs that differ; no runs at all is one clear line."""
     q = bench()
 
     def run(seed: int, ours: float, theirs: float) -> dict:
@@ -266,9 +284,11 @@ def test_the_pairs_of_runs_kept_side_by_side_make_one_table_and_one_mean(tmp_pat
             },
         }
 
+    same = {"train.jsonl": "ab" * 32, "heldout.jsonl": "cd" * 32}
     for name, seed, ours, theirs in (("b", 5, 1.879, 1.930), ("a", 3, 1.950, 1.882), ("c", 3, 1.94, 1.9)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "results.json").write_text(json.dumps(run(seed, ours, theirs)))
+        data = {"data": same} if name != "c" else {}  # c: a run from before the digests were kept
+        (tmp_path / name / "results.json").write_text(json.dumps(run(seed, ours, theirs) | data))
     assert q.main(["pairs", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.splitlines()
     rows = [line.split(" | ")[0:5] for line in printed if line.startswith("| 3") or line.startswith("| 5")]
@@ -277,11 +297,24 @@ def test_the_pairs_of_runs_kept_side_by_side_make_one_table_and_one_mean(tmp_pat
         ["| 3", "800", "1.940", "1.900", "+0.040"],
         ["| 5", "800", "1.879", "1.930", "-0.051"],
     ]
-    assert printed[-1] == (
+    assert printed[-3] == (
         "mean gap over 3 pairs (2 seeds): +0.019 (standard error 0.036); "
         "one-sided 95% lower bound -0.086 (t 2.920, 2 df)"
     )
-    assert (tmp_path / "pairs.md").read_text().splitlines()[-1] == printed[-1]
+    assert printed[-1] == (
+        "data: identical in 2 runs (sha256 train abababababababab, held-out cdcdcdcdcdcdcdcd); "
+        "not recorded in c"
+    )
+    assert (tmp_path / "pairs.md").read_text().splitlines()[-3:] == printed[-3:]
+    other = json.loads((tmp_path / "b" / "results.json").read_text())
+    other["data"] = {**same, "train.jsonl": "ef" * 32}  # b's rows regenerated otherwise
+    (tmp_path / "b" / "results.json").write_text(json.dumps(other))
+    assert q.main(["pairs", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "data: NOT the same in every run (train/held-out sha256: a abababababab/cdcdcdcdcdcd, "
+        "b efefefefefef/cdcdcdcdcdcd): pair runs of one data set"
+    )
+    assert q.data_line({"old": {}, "older": {}}) == "data: no sha256 recorded in old, older"
     with pytest.raises(SystemExit, match=r"no \*/results\.json under"):
         q.main(["pairs", "--out", str(tmp_path / "none")])
 
