@@ -55,7 +55,6 @@ recorded and the next one runs. One H200: ``benchmarks/gpu/quality.sh``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -148,43 +147,36 @@ def regenerate(overrides: list[str]) -> Path:
 
 
 def cmd_data(args: argparse.Namespace) -> None:
+    from training.run.checkpoint import file_digest  # torch: not for the steps that only read results
+
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     rows = read_jsonl(regenerate([]))
     held, train = split_rows(rows, args.held_out, args.seed)
     write_jsonl(out / "heldout.jsonl", held)
     write_jsonl(out / "train.jsonl", train)
-    save(out, "data", {name: sha256_of(out / name) for name in SPLIT_FILES})
+    save(out, "data", {name: file_digest(out / name)[1] for name in SPLIT_FILES})
     log(f"data: {len(rows)} rows: {len(held)} held out, {len(train)} to train on")
 
 
 SPLIT_FILES = ("train.jsonl", "heldout.jsonl")
 
 
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def data_line(runs: dict[str, dict[str, Any]]) -> str:
     """Whether the runs set side by side trained and evaluated on the same bytes: the target
     regenerates the rows in each device call (greedy, so the same prompts give the same replies on
     one GPU, not necessarily on another), and pairs on other rows are not the same comparison."""
-    digests = {name: run.get("data") for name, run in runs.items()}
-    unknown = sorted(name for name, digest in digests.items() if not digest)
-    kinds = {json.dumps(digest, sort_keys=True) for digest in digests.values() if digest}
-    if len(kinds) > 1:
-        each = ", ".join(
-            f"{name} {digest['train.jsonl'][:12]}/{digest['heldout.jsonl'][:12]}"
-            for name, digest in sorted(digests.items())
-            if digest
-        )
+    known = {name: run["data"] for name, run in sorted(runs.items()) if run.get("data")}
+    unknown = ", ".join(name for name in sorted(runs) if name not in known)
+    if not known:
+        return f"data: no sha256 recorded in {unknown}"
+    first = next(iter(known.values()))
+    if any(digest != first for digest in known.values()):
+        each = ", ".join(f"{n} {d['train.jsonl'][:12]}/{d['heldout.jsonl'][:12]}" for n, d in known.items())
         return f"data: NOT the same in every run (train/held-out sha256: {each}): pair runs of one data set"
-    if not kinds:
-        return f"data: no sha256 recorded in {', '.join(unknown)}"
-    known, digest = len(runs) - len(unknown), json.loads(kinds.pop())
-    line = f"data: identical in {known} run{'s' * (known != 1)}"
-    line += f" (sha256 train {digest['train.jsonl'][:16]}, held-out {digest['heldout.jsonl'][:16]})"
-    return line + (f"; not recorded in {', '.join(unknown)}" if unknown else "")
+    line = f"data: identical in {len(known)} run{'s' * (len(known) != 1)}"
+    line += f" (sha256 train {first['train.jsonl'][:16]}, held-out {first['heldout.jsonl'][:16]})"
+    return line + (f"; not recorded in {unknown}" if unknown else "")
 
 
 def packages_regen(args: argparse.Namespace) -> list[str]:

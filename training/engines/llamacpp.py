@@ -333,13 +333,6 @@ def _as_build(root: Path, pin: Pin) -> LlamaBuild:
     )
 
 
-def cached_build(cache_root: Path, *, cuda: str = "auto", pin: Pin = PIN) -> LlamaBuild | None:
-    """The finished build ``ensure_llamacpp`` would return, or None (never builds)."""
-    nvcc, archs = _resolve_cuda(cuda)
-    root = cache_root / build_key(pin, nvcc, archs, native_amx())
-    return _as_build(root, pin) if (root / MANIFEST).is_file() else None
-
-
 def ensure_llamacpp(
     cache_root: Path,
     *,
