@@ -6,10 +6,10 @@ beside their fields) and ``docs/reference/tasks.md`` (every task's options, as i
 ``fab --help TASK`` gives them, and the exit codes from the exception tree). ``--check`` writes
 nothing and exits 1 naming each page that differs: tests/fleet/test_docs.py runs it in process.
 
-The link rule is GitHub's: a heading's anchor is its text lowercased, every character that is not
-a letter, digit, space, ``-`` or ``_`` dropped, spaces turned into ``-``; a repeated anchor gets
-``-1``, ``-2``, ... in order (github/cmark-gfm's ``extensions/autolink``-free header ids, as
-github.com renders them).
+The link rule is GitHub's (gjtorikian/html-pipeline, ``lib/html/pipeline/toc_filter.rb``): a
+heading's anchor is its rendered text lowercased, every character that is not a word character
+(letter, digit, ``_``), space or ``-`` dropped, spaces turned into ``-``; the n-th repeat of an
+anchor gets ``-n``. The test checks it against anchors github.com gave this repository's headings.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import tokenize
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -193,7 +194,7 @@ def toml_type(kind: Any) -> str:
 
     origin = typing.get_origin(kind)
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:  # X | None: X, its default says none
         return toml_type(args[0])
     if origin is typing.Literal:
         return "one of " + ", ".join(toml_value(a) for a in typing.get_args(kind))
