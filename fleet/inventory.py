@@ -57,14 +57,28 @@ TARGET_KEYS = (
     "notify",
 )
 SSH_ONLY_KEYS = ("identity_file", "host_key_policy", "known_hosts")
-RUN_KEYS = ("module", "config", "overrides", "env", "restart", "regen_servers")
+RUN_KEYS = (
+    "module",
+    "config",
+    "overrides",
+    "env",
+    "restart",  # { max, backoff_s }: the run's wrapper relaunches a trainer that failed (off by default)
+    "regen_servers",
+)
 MAX_OVERRIDES_BYTES = 32 * 1024
 RESTART_KEYS = ("max", "backoff_s")
 COMMAND_KEYS = ("tmux", "nvidia_smi", "uv", "python", "pct", "lxc_attach", "lxc_info")
 GATE_KEYS = ("max_memory_mib", "expected_name", "timeout_s")
 NOTIFY_KEYS = ("command", "url", "headers", "command_env")
 HOST_KEY_POLICIES = ("strict", "accept-new")
-MULTI_RUN_KEYS = ("targets", "topology", "per_host", "rendezvous", "network", "run")
+MULTI_RUN_KEYS = (
+    "targets",  # 2+ target names; node ranks in this order (the c10d rendezvous sorts them by addr: checked)
+    "topology",
+    "per_host",  # table target -> "N+M": each host's ranks, targets first (default: hosts filled in order)
+    "rendezvous",
+    "network",  # table target -> { addr, socket_ifname }: how the other hosts reach each one
+    "run",
+)
 NETWORK_KEYS = ("addr", "socket_ifname")
 
 
@@ -75,9 +89,10 @@ class SshSpec:
     user: str
     hostname: str
     port: int = 22
-    identity_file: str | None = None
+    identity_file: str | None = None  # the SSH key; none = the agent's and ~/.ssh's default keys
+    # strict: known_hosts must know the host; accept-new: a host never seen is added on first use
     host_key_policy: Literal["strict", "accept-new"] = "strict"
-    known_hosts: str = field(default_factory=lambda: os.path.expanduser(KNOWN_HOSTS))
+    known_hosts: str = field(default_factory=lambda: os.path.expanduser(KNOWN_HOSTS))  # read as ssh reads it
 
     @property
     def display(self) -> str:
@@ -88,9 +103,9 @@ class SshSpec:
 class ContainerSpec:
     """The LXC container commands run in: ``pct`` with a numeric id, or ``lxc`` with a name."""
 
-    type: Literal["pct", "lxc"]
-    id: int | None = None
-    name: str | None = None
+    type: Literal["pct", "lxc"]  # pct: `pct exec ID -- ...` (Proxmox); lxc: `lxc-attach -n NAME -- ...`
+    id: int | None = None  # pct: the container's numeric id
+    name: str | None = None  # lxc: the container's name
 
     @property
     def display(self) -> str:
@@ -101,28 +116,28 @@ class ContainerSpec:
 class Commands:
     """Paths of the commands fleet runs on the host / in the container (tests point them at shims)."""
 
-    tmux: str = "tmux"
-    nvidia_smi: str = "nvidia-smi"
-    uv: str = "uv"
-    python: str = "python3"
-    pct: str = "pct"
-    lxc_attach: str = "lxc-attach"
-    lxc_info: str = "lxc-info"
+    tmux: str = "tmux"  # in the container (or on the host without one): runs the trainer's session
+    nvidia_smi: str = "nvidia-smi"  # on the host and in the container: the GPU gate, status, doctor
+    uv: str = "uv"  # builds the env; fleet pushes its own where this one is missing
+    python: str = "python3"  # the interpreter where the target has no managed env (env = "")
+    pct: str = "pct"  # on the Proxmox host
+    lxc_attach: str = "lxc-attach"  # on the host of an lxc container
+    lxc_info: str = "lxc-info"  # on the host of an lxc container: is it running
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """What ``fab train`` starts: ``python -m <module> train --config <config> ... <overrides>``."""
 
-    module: str = "training"
-    config: str = "tiny-cpu"
-    overrides: tuple[str, ...] = ()
+    module: str = "training"  # python -m <module> train --config <config> --run-dir <dir> <overrides>
+    config: str = "tiny-cpu"  # a shipped config's name (training/configs/) or a TOML path
+    overrides: tuple[str, ...] = ()  # "--section.key=value" strings, e.g. ["--train.steps=50"]
     # Values may be secrets: never shown in repr, logs or errors.
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     # `restart = { max = 3, backoff_s = 60 }`: the run's wrapper relaunches a trainer that exited
     # non-zero, up to max times (0 = off, the default), never for a cause a restart cannot fix.
     restart_max: int = 0
-    restart_backoff_s: float = 60.0
+    restart_backoff_s: float = 60.0  # seconds between a failed attempt and the next
     # OpenAI-compatible servers of the target model that `fab regen` sends prompts to (host:port or
     # URLs, as seen from the target: SGLang, vLLM, llama-server).
     regen_servers: tuple[str, ...] = ()
@@ -139,6 +154,7 @@ class NotifySpec:
 
     command: tuple[str, ...] = ()  # argv run on the target, the JSON body on stdin
     url: str = field(default="", repr=False)  # POSTed the JSON body
+    # HTTP headers sent with the POST (e.g. Authorization); their values are kept as secret as the URL
     headers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     # run.env keys the command is given; by default none of the run's secrets reach it.
     command_env: tuple[str, ...] = ()
@@ -152,9 +168,9 @@ class NotifySpec:
 class GateSpec:
     """The GPU gate before a launch (``fab gpus``, ``fab train``)."""
 
-    max_memory_mib: int = 64
-    expected_name: str = ""
-    timeout_s: float = 20.0
+    max_memory_mib: int = 64  # a GPU using more (with no process: a zombie CUDA context) is not clean
+    expected_name: str = ""  # "" = any; else every GPU's name must contain it (e.g. "H200")
+    timeout_s: float = 20.0  # nvidia-smi must answer within this
 
 
 @dataclass(frozen=True)
@@ -162,21 +178,24 @@ class TargetSpec:
     """One validated target of the inventory."""
 
     name: str
-    host: str
-    workdir: str
+    host: str  # "local" (this machine) or "user@host[:port]" (SSH)
+    workdir: str  # releases, runs, envs, caches; local: relative to fleet.toml or ~; remote: absolute
     ssh: SshSpec | None = None
+    # The LXC container commands run in: { type = "pct", id = 200 } or { type = "lxc", name = "train" }
     container: ContainerSpec | None = None
-    commands: Commands = field(default_factory=Commands)
-    gpus: int = 0
+    commands: Commands = field(default_factory=Commands)  # command paths on the host / in the container
+    gpus: int = 0  # 0 = a CPU run; else the GPUs the container sees, the topology's sum
+    # "N+M": N target ranks + M drafter ranks, summing to gpus (default: the run config's
+    # pipeline.topology; the inventory's wins)
     topology: Topology | None = None
-    env: str = ""
+    env: str = ""  # envs/<name>/{pyproject.toml,uv.lock} built on the target; "" = commands.python as is
     uv_cache: str = ""  # "" = <workdir>/uv-cache; else a path on the target (e.g. a shared bind mount)
-    run: RunSpec = field(default_factory=RunSpec)
-    gpu_gate: GateSpec = field(default_factory=GateSpec)
-    notify: NotifySpec = field(default_factory=NotifySpec)
-    keep_releases: int = 5
+    run: RunSpec = field(default_factory=RunSpec)  # what `fab train` starts
+    gpu_gate: GateSpec = field(default_factory=GateSpec)  # when a GPU counts as clean
+    notify: NotifySpec = field(default_factory=NotifySpec)  # off unless url or command is set
+    keep_releases: int = 5  # releases `fab deploy` keeps (and always the live and latest runs')
     keep_runs: int = 10  # run dirs kept by `fab train` (the newest; never the live or latest one)
-    stall_window_s: float = STALL_WINDOW_S
+    stall_window_s: float = STALL_WINDOW_S  # no event and no log line for this long: "stalled"
     # `fab deploy` also builds llama.cpp (training.engines.llamacpp, cached on the target): "off",
     # "cpu", or "auto" (CUDA where nvcc and a GPU are). Off by default: the first build takes
     # minutes (tens of minutes on 2 cores); `fab export --gguf` / `fab serve-bench` build it anyway.
@@ -221,10 +240,10 @@ class MultiRunSpec:
     (``training.contract.Topology.placement``)."""
 
     name: str
-    topology: Topology
+    topology: Topology  # "N+M" over all hosts
     nodes: tuple[NodeSpec, ...]
     rendezvous: str  # host:port of the c10d store, served by the first host's agent
-    run: RunSpec = field(default_factory=RunSpec)
+    run: RunSpec = field(default_factory=RunSpec)  # as [targets.NAME.run]: config, overrides, env, restart
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -260,9 +279,9 @@ class Inventory:
     """The whole validated inventory."""
 
     path: Path
-    default_target: str
-    targets: Mapping[str, TargetSpec]
-    runs: Mapping[str, MultiRunSpec] = field(default_factory=lambda: MappingProxyType({}))
+    default_target: str  # what tasks act on without FLEET_TARGET (default: the first target)
+    targets: Mapping[str, TargetSpec]  # [targets.NAME]: one table per target
+    runs: Mapping[str, MultiRunSpec] = field(default_factory=lambda: MappingProxyType({}))  # [runs.NAME]
 
     @property
     def root(self) -> Path:

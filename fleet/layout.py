@@ -1,4 +1,4 @@
-"""Where things live under a target's workdir (see docs/DESIGN.md). Pure path arithmetic."""
+"""Where things live under a target's workdir (see docs/reference/workdir.md). Pure path arithmetic."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ own python). Their output is parsed by the pure parsers below, tested on recorde
 and judged by :func:`evaluate` (pure) into a :class:`DoctorReport`: one :class:`Finding` per check,
 each one line naming what is wrong and the fix; any ``fail`` makes ``fab doctor`` exit 1.
 
-What is checked (docs/DESIGN.md "fab doctor" has the thresholds):
+What is checked (docs/doctor.md "`fab doctor` (`fleet.doctor`)" has the thresholds):
 
 - passthrough: the container config (``pct config <id>``) has the ``lxc.cgroup2.devices.allow``
   and ``lxc.mount.entry`` lines (or ``devN:`` entries) for every ``/dev/nvidiaN``, ``nvidiactl``,

@@ -1,5 +1,5 @@
 """`fab doctor`'s pure parsers of its scripts' output (tested on recorded real output) and its
-thresholds (docs/DESIGN.md "fab doctor")."""
+thresholds (docs/doctor.md "`fab doctor` (`fleet.doctor`)")."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ Status = Literal["ok", "warn", "fail", "skip"]
 GIB = 1024**3
 MIB = 1024**2
 
-# Thresholds (docs/DESIGN.md "fab doctor")
+# Thresholds (docs/doctor.md "`fab doctor` (`fleet.doctor`)")
 SHM_MIN_BYTES = 1 * GIB  # NCCL's shared-memory transport and DataLoader workers; Docker's 64 MB fails
 MEMLOCK_MIN_KIB = 64 * 1024  # below it NCCL over InfiniBand/RDMA cannot register its buffers
 NOFILE_FAIL = 1024

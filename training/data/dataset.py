@@ -263,7 +263,7 @@ def tokenize_all(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache:
             raise ConfigError(
                 f"data {locate(files, index)}: a record of no known format (keys found: "
                 f"{', '.join(keys_found(raw[index])) or 'none'}); expected one of "
-                f'{", ".join(FORMATS)} (docs/DESIGN.md "Training data")'
+                f'{", ".join(FORMATS)} (docs/data.md "Training data")'
             )
         if fmt != first:
             raise ConfigError(

@@ -430,7 +430,7 @@ def test_inductor_cache_key_holds_the_device_index_so_ranks_should_see_cuda0() -
     """Why one warm-up serves every process only when each sees its GPU as cuda:0
     (CUDA_VISIBLE_DEVICES): the FX-graph/AOTAutograd cache key of an input on cuda:5 differs
     from one on cuda:0 (fake tensors: no GPU needed). If torch stops doing that, this fails and
-    per-index caveats in training/run/warm.py and docs/DESIGN.md can go."""
+    per-index caveats in training/run/warm.py and docs/reference/workdir.md can go."""
     import torch.fx as fx
     from torch._inductor.codecache import FxGraphCachePickler
     from torch._subclasses.fake_tensor import FakeTensorMode
