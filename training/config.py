@@ -189,6 +189,10 @@ class EvalSection:
     # trains on (memorisation against a train/inference mismatch: `python -m training eval
     # --eval.split=train`)
     split: str = "held_out"
+    # DDTree's cost per budget on the target's device (training.run.tree_cost): "auto" = measured
+    # on a GPU (once per process, reused by later evals), off on the CPU; "on" | "off".
+    tree_cost: str = "auto"
+    tree_cost_budgets: tuple[int, ...] = (0, 16, 32, 64, 128, 256, 512, 1024)  # 0 = the chain
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.reasoning": ("keep", "drop"),
     "wandb.mode": ("offline", "online"),
     "compile.enabled": ("auto", "on", "off"),
+    "eval.tree_cost": ("auto", "on", "off"),
     "pipeline.order": ("free", "fixed"),
 }
 
@@ -434,6 +439,11 @@ def validate(config: RunConfig) -> None:
         )
     if config.eval.split not in EVAL_SPLITS:
         raise ConfigError(f"config key eval.split: {config.eval.split!r}: one of {', '.join(EVAL_SPLITS)}")
+    budgets = config.eval.tree_cost_budgets
+    if any(b < 0 for b in budgets) or len(set(budgets)) != len(budgets):
+        raise ConfigError(
+            f"config key eval.tree_cost_budgets: {list(budgets)}: give distinct budgets >= 0 (0 = the chain)"
+        )
     sources = [part.strip() for part in config.data.regen_sources.split(",")]
     if not sources or any(part not in REGEN_SOURCES for part in sources) or len(set(sources)) != len(sources):
         raise ConfigError(

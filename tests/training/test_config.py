@@ -80,6 +80,8 @@ def test_overrides_are_coerced_to_the_field_type() -> None:
         ("--wandb.enabled=maybe", "--wandb.enabled"),
         ("--model.kind=huge", "model.kind"),
         ("--train.steps=0", "train.steps"),
+        ("--eval.tree_cost=sometimes", "eval.tree_cost"),
+        ("--eval.tree_cost_budgets=0,16,16", "eval.tree_cost_budgets"),
     ],
 )
 def test_bad_overrides_name_the_key(override: str, names: str) -> None:

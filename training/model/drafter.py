@@ -534,6 +534,12 @@ class DFlashDrafter(nn.Module):
         token, no hidden state yet) = the block's anchor. Returns [N, B-1] long: the drafted
         tokens for positions T+1..T+B-1. Dense attention (the query is one block).
         """
+        return self.propose_logits(target_hidden, last_token).argmax(dim=-1)
+
+    @torch.no_grad()
+    def propose_logits(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        """``propose``'s logits: [N, B-1, V] for positions T+1..T+B-1 (a draft tree is built
+        from their per-position distributions, ``training.run.tree``)."""
         n, T = target_hidden.shape[0], target_hidden.shape[1]
         anchors = torch.full((n, 1), T, dtype=torch.long, device=target_hidden.device)
         ctx = self.fuse(target_hidden)
@@ -543,8 +549,7 @@ class DFlashDrafter(nn.Module):
             for w in self.variants()
         }
         hidden = self._blocks(ctx, last_token.view(n, 1).long(), anchors, attends)
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
-        return logits.argmax(dim=-1)
+        return self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
 
 
 def block_labels(
