@@ -162,6 +162,12 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def tree_cost_enabled(setting: str, device: torch.device) -> bool:
+    """``eval.tree_cost``: "auto" measures on a GPU only (on the CPU the times say nothing of a
+    serving GPU and cost the eval minutes), "on" everywhere, "off" nowhere."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 def is_hybrid(target: nn.Module) -> bool:
     """Whether the target has linear-attention (Gated DeltaNet) layers: Qwen3.5/3.6."""
     return "linear_attention" in layer_types(target)
