@@ -228,7 +228,7 @@ def training_batches(trainer: Any, device: Any) -> Any:
     position = Position()
     pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else 0
     while True:
-        batch, after = trainer.data.batch(position, pad_id)
+        batch, after = trainer.data.batch(position, pad_id, pad_to_bucket=False)
         anchors = core.batch_anchors(trainer.config, batch.loss_mask, batch.lengths, batch.position)
         yield batch.input_ids.to(device), batch.loss_mask.to(device), anchors.to(device)
         if after.epoch > position.epoch:
