@@ -217,7 +217,7 @@ PHASES = (
 )
 
 # Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "dict[str,str]", "buckets",
-# "phase", "role".
+# "trees" (lists of objects: OBJECT_LISTS), "phase", "role".
 COMMON_FIELDS: dict[str, str] = {"v": "int", "ts": "float", "event": "str", "rank": "int", "role": "role"}
 
 EVENT_FIELDS: dict[str, dict[str, str]] = {
@@ -296,6 +296,11 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     },
 }
 
+# Fields an event may carry (written by newer trainers only), checked where present.
+OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
+    "eval": {"tau_prompt_mean": "float", "split": "str", "tree": "trees"},
+}
+
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).
 ERROR_PEER_FIELDS: dict[str, str] = {"peer_rank": "int", "peer_role": "role", "peer_host": "str"}
 
@@ -311,6 +316,19 @@ BUCKET_FIELDS: dict[str, str] = {
     "hi": "int",
     "batches": "int",
     "percent": "float",
+}
+# One DDTree budget of the eval event's ``tree`` (training.run.eval.TreeAcceptance).
+TREE_FIELDS: dict[str, str] = {
+    "budget": "int",
+    "tau_mean": "float",
+    "tau_prompt_mean": "float",
+    "hist": "list[int]",
+    "rounds": "int",
+    "tree_size_mean": "float",
+}
+OBJECT_LISTS: dict[str, tuple[str, dict[str, str]]] = {
+    "buckets": ("buckets", BUCKET_FIELDS),
+    "trees": ("tree budgets", TREE_FIELDS),
 }
 
 
@@ -343,19 +361,20 @@ def _check(kind: str, value: object, where: str) -> list[str]:
         ok = isinstance(value, list) and all(_is_int(x) for x in value)
     elif kind == "dict[str,str]":
         ok = isinstance(value, dict) and all(isinstance(x, str) for item in value.items() for x in item)
-    elif kind == "buckets":
+    elif kind in OBJECT_LISTS:
+        what, fields = OBJECT_LISTS[kind]
         if not isinstance(value, list):
-            return [f"{where}: expected a list of buckets, got {type(value).__name__}"]
+            return [f"{where}: expected a list of {what}, got {type(value).__name__}"]
         problems: list[str] = []
-        for i, bucket in enumerate(value):
-            if not isinstance(bucket, dict):
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
                 problems.append(f"{where}[{i}]: expected an object")
                 continue
-            for name, sub in BUCKET_FIELDS.items():
-                if name not in bucket:
+            for name, sub in fields.items():
+                if name not in item:
                     problems.append(f"{where}[{i}].{name}: missing")
                 else:
-                    problems.extend(_check(sub, bucket[name], f"{where}[{i}].{name}"))
+                    problems.extend(_check(sub, item[name], f"{where}[{i}].{name}"))
         return problems
     else:  # pragma: no cover - a typo in the table above
         raise ValueError(f"unknown field kind {kind!r}")
@@ -368,8 +387,9 @@ def validate_event(obj: object) -> list[str]:
     """Every way ``obj`` (one parsed events.jsonl line) breaks the schema; empty when valid.
 
     Unknown events and extra fields are allowed (forward compatible); known events must
-    carry all their fields with the right types. NaN is accepted for floats (a diverged loss
-    is still a valid report), infinity is not (JSON cannot carry it).
+    carry all their fields with the right types, and their ``OPTIONAL_FIELDS`` where present.
+    NaN is accepted for floats (a diverged loss is still a valid report), infinity is not (JSON
+    cannot carry it).
     """
     if not isinstance(obj, dict):
         return [f"line is {type(obj).__name__}, expected an object"]
@@ -389,6 +409,9 @@ def validate_event(obj: object) -> list[str]:
         if name not in obj:
             problems.append(f"{event}.{name}: missing")
         else:
+            problems.extend(_check(kind, obj[name], f"{event}.{name}"))
+    for name, kind in OPTIONAL_FIELDS.get(event, {}).items():
+        if name in obj:
             problems.extend(_check(kind, obj[name], f"{event}.{name}"))
     return problems
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from training.compile.cache import start_workers
-from training.config import RunConfig, load_config, with_loaded_shape, write_config
+from training.config import ConfigError, RunConfig, load_config, with_loaded_shape, write_config
 from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
 from training.data.dataset import Batch
@@ -41,7 +41,13 @@ from training.model.target import (
 from training.progress import Progress, StopRequested, StopSignals, report_to
 from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite
-from training.run.eval import evaluate_acceptance
+from training.run.eval import (
+    evaluate_acceptance,
+    tree_method_problem,
+    tree_records,
+    tree_summary,
+    tree_table,
+)
 from training.wandb_logger import NullLogger, make_logger
 
 
@@ -115,6 +121,8 @@ class Trainer:
             cfg, folder, self.tokenizer, None if self.eval_only else self.events
         )
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
+        if cfg.eval.tree_budgets and (problem := tree_method_problem(self.target, cfg.eval.tree_method)):
+            raise ConfigError(problem)  # now, not after the training
         if not self.eval_only:  # config.json: the target's shape as loaded, not [model]'s defaults
             write_config(with_loaded_shape(cfg, text_config(self.target)), self.run_dir)
 
@@ -253,7 +261,10 @@ class Trainer:
                 cfg.max_new_tokens,
                 eos_token_id=self.tokenizer.eos_token_id,
                 progress=p.update,
+                budgets=cfg.tree_budgets,
+                tree_method=cfg.tree_method,
             )
+        trees = {"tree": tree_records(result)} if result.trees else {}
         label, estimate = f"export {export}", ""
         if own:
             self.events.emit(
@@ -264,15 +275,20 @@ class Trainer:
                 tau_hist=list(result.hist),
                 tau_estimate=self.last_tau,
                 tau_prompt_mean=result.tau_prompt_mean,
+                **trees,
             )
             logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
+            logged.update({f"eval/tree_tau_{t.budget}": t.tau_mean for t in result.trees})
             self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
             label, estimate = f"step {self.step}", f" (training estimate {self.last_tau:.3f})"
         print0(
             f"eval {label} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
             f"{result.tau_prompt_mean:.3f} per prompt{estimate} over {result.rounds} blocks of "
             f"{result.prompts} prompts; hist={list(result.hist)} ({time.monotonic() - t0:.1f}s)"
+            + (f"; {tree_summary(result)} ({cfg.tree_method})" if result.trees else "")
         )
+        if self.eval_only and result.trees:
+            print0(tree_table(result))
 
     def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
         shape = core.batch_shape(batch.input_ids, batch.lengths)
