@@ -48,6 +48,7 @@ from training.run.eval import (
     tree_summary,
     tree_table,
 )
+from training.run.tree_cost import TreeCost, eval_context, measure_tree_cost, tree_cost_enabled
 from training.wandb_logger import NullLogger, make_logger
 
 
@@ -68,6 +69,7 @@ class Trainer:
         self.eval_only = eval_only
         self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         self.target_s = 0.0  # the last step's target forward, with hidden_cache
+        self._tree_cost: TreeCost | None = None  # measured at the first eval that asks (tree_cost)
         # checkpoints written in the background: training goes on while one is written
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -265,6 +267,10 @@ class Trainer:
                 tree_method=cfg.tree_method,
             )
         trees = {"tree": tree_records(result)} if result.trees else {}
+        taus = {0: result.tau_mean, **{t.budget: t.tau_mean for t in result.trees}}
+        cost = self.tree_cost() if result.trees else None
+        if cost is not None:
+            trees["tree_cost"] = cost.to_json(taus)
         label, estimate = f"export {export}", ""
         if own:
             self.events.emit(
@@ -279,6 +285,8 @@ class Trainer:
             )
             logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
             logged.update({f"eval/tree_tau_{t.budget}": t.tau_mean for t in result.trees})
+            if cost is not None and (best := cost.best(taus)) is not None:
+                logged.update({"eval/tree_best_budget": best[0], "eval/tree_best_speedup": best[1]})
             self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
             label, estimate = f"step {self.step}", f" (training estimate {self.last_tau:.3f})"
         print0(
@@ -288,7 +296,22 @@ class Trainer:
             + (f"; {tree_summary(result)} ({cfg.tree_method})" if result.trees else "")
         )
         if self.eval_only and result.trees:
-            print0(tree_table(result))
+            sizes = {t.budget: t.tree_size_mean for t in result.trees}
+            print0(cost.table(taus, sizes) if cost is not None else tree_table(result))
+        elif cost is not None and (best := cost.best(taus)) is not None:
+            print0(f"DDTree: best budget {best[0]}: ~{best[1]:.2f}x speedup modelled on {cost.device}")
+
+    def tree_cost(self) -> TreeCost | None:
+        """DDTree's cost per budget on this device (``eval.tree_cost``), measured at the first eval
+        that asks and reused by the later ones (the target and its device do not change)."""
+        cfg = self.config.eval
+        if self._tree_cost is None and tree_cost_enabled(cfg.tree_cost, self.device):
+            budgets = cfg.tree_cost_budgets
+            with Progress("eval", "timing DDTree's verify per budget", len(set(budgets)), "budgets") as p:
+                self._tree_cost = measure_tree_cost(
+                    self.target, self.drafter, eval_context(cfg), budgets, progress=p.update
+                )
+        return self._tree_cost
 
     def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
         shape = core.batch_shape(batch.input_ids, batch.lengths)

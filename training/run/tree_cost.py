@@ -235,9 +235,11 @@ def measure_tree_cost(
     repeats: int = 5,
     warmup: int = 2,
     seed: int = 0,
+    progress: Callable[[int], None] = lambda _budgets: None,
 ) -> TreeCost:
     """Time a DDTree round's parts on the target's device (module docstring); ``budgets``
-    include 0 for the chain. ``context`` >= 1 random tokens of the target's vocabulary."""
+    include 0 for the chain. ``context`` >= 1 random tokens of the target's vocabulary.
+    ``progress(n)``: after each budget's verify, the budgets timed so far."""
     if context < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"measure_tree_cost: context={context}, repeats={repeats}, warmup={warmup}")
     if not budgets or any(b < 0 for b in budgets):
@@ -293,6 +295,7 @@ def measure_tree_cost(
                 positions = tree_position_ids(tree, context).to(device)
                 run = forward(block, attention_mask=_mask_arg(target, mask), position_ids=positions)
             verify[budget] = timed(fresh, run)
+            progress(len(verify))
     finally:
         drafter.train(was_training)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -54,8 +54,10 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     assert [e["phase"] for e in events if e["event"] == "phase"][-1] == "done"
     assert (run_dir / "config.json").is_file()
 
+    # DDTree's cost measured on the CPU too (auto: GPUs only), two budgets: the one table
+    tree = ["--eval.tree_cost=on", "--eval.tree_cost_budgets=0,16"]
     evaluate = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), *tree],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -68,6 +70,10 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     for e in evals:
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
+    assert "tree_cost" not in evals[0]  # the training's eval on the CPU: auto is off
+    cost = evals[1]["tree_cost"]
+    assert set(cost["t_verify_s"]) == set(cost["speedup"]) == {"0", "16"} and cost["device"] == "cpu"
+    assert cost["best_budget"] in (0, 16) and "<- best" in evaluate.stdout and "verify ms" in evaluate.stdout
 
     # The exported folder is the same drafter: eval --export measures the same acceptance.
     export = run_dir.parent / "drafter"
@@ -135,8 +141,10 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     assert steps[-1]["step"] == 20
     assert sum(e["loss"] for e in steps[-2:]) / 2 < 0.75 * steps[0]["loss"], [e["loss"] for e in steps]
 
+    # DDTree's cost measured on the CPU too (auto: GPUs only), two budgets: the one table
+    tree = ["--eval.tree_cost=on", "--eval.tree_cost_budgets=0,16"]
     evaluate = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), *tree],
         cwd=REPO,
         env=env,
         capture_output=True,
