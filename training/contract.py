@@ -217,7 +217,7 @@ PHASES = (
 )
 
 # Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "dict[str,str]", "buckets",
-# "trees" (lists of objects: OBJECT_LISTS), "phase", "role".
+# "trees" (lists of objects: OBJECT_LISTS), "object" (any JSON object), "phase", "role".
 COMMON_FIELDS: dict[str, str] = {"v": "int", "ts": "float", "event": "str", "rank": "int", "role": "role"}
 
 EVENT_FIELDS: dict[str, dict[str, str]] = {
@@ -298,7 +298,7 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
 
 # Fields an event may carry (written by newer trainers only), checked where present.
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "eval": {"tau_prompt_mean": "float", "split": "str", "tree": "trees"},
+    "eval": {"tau_prompt_mean": "float", "split": "str", "tree": "trees", "tree_cost": "object"},
 }
 
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).
@@ -361,6 +361,8 @@ def _check(kind: str, value: object, where: str) -> list[str]:
         ok = isinstance(value, list) and all(_is_int(x) for x in value)
     elif kind == "dict[str,str]":
         ok = isinstance(value, dict) and all(isinstance(x, str) for item in value.items() for x in item)
+    elif kind == "object":
+        ok = isinstance(value, dict)
     elif kind in OBJECT_LISTS:
         what, fields = OBJECT_LISTS[kind]
         if not isinstance(value, list):
