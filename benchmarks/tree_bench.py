@@ -30,8 +30,8 @@ evaluates the held-out prompts' chain and tree taus at ``eval.tree_budgets`` wit
 (``evaluate_acceptance(temperatures=...)``; the chain cannot change: a temperature keeps the
 argmax). The verdict: the tree's tau at the best budget (the cost model's on a GPU, else the
 highest tau) raised by >= 3% with the chain not lower by more than 0.02. ``--save`` writes the
-temperatures to the run dir's ``tree-calibration.json``, which ``python -m training export`` puts
-in ``ddtree.json``.
+temperatures, where they ship, to the run dir's ``tree-calibration.json``, which ``python -m
+training export`` puts in ``ddtree.json``.
 
 ``levers train`` trains one run per ``--arm NAME=OVERRIDES`` (``python -m training train --config
 CONFIG`` with the ``--set`` overrides and the arm's, in ``OUT/NAME``), evaluates each on the
@@ -242,6 +242,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from training.run.eval import evaluate_acceptance
     from training.run.single import Trainer
     from training.run.tree_calibration import (
+        T_RANGE,
         depth_logits,
         fit_depth_temperatures,
         mean_nll,
@@ -269,6 +270,10 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         del logits
         took = time.perf_counter() - started
         log(f"fitted on {anchors} anchors in {took:.1f}s: {temperatures_text(temperatures)}")
+        if any(not T_RANGE[0] * 1.01 < t < T_RANGE[1] * 0.99 for t in temperatures):
+            log(
+                f"note: a temperature at the edge of the search range {T_RANGE}: the drafter is far off there"
+            )
         cfg = config.eval
         prompts = trainer.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts, cfg.split)
         results = {}
@@ -293,6 +298,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
             cost = measure_tree_cost(trainer.target, trainer.drafter, eval_context(cfg), budgets)
         budget = best_budget(results["raw"], cost)
         judged = verdict(results["raw"], results["calibrated"], budget)
+        step = trainer.step
     finally:
         trainer.close()
     for name, taus in results.items():
@@ -303,6 +309,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     print(verdict_line(judged))
     body = {
         "run": str(run_dir),
+        "step": step,
         "anchors": anchors,
         "temperatures": list(temperatures),
         "nll_per_depth": [{"raw": a, "calibrated": b} for a, b in nll],
@@ -311,7 +318,9 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         "cost": cost.to_json(results["raw"]) if cost is not None else None,
         "verdict": judged,
     }
-    if args.save:
+    if args.save and not judged["ships"]:
+        log(f"not saved: the temperatures do not help ({TREE_CALIBRATION_FILE} left as it was)")
+    elif args.save:
         (run_dir / TREE_CALIBRATION_FILE).write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
         log(f"wrote {run_dir / TREE_CALIBRATION_FILE}")
     out = Path(args.out or "tree-levers-calibrate.json")

@@ -187,9 +187,8 @@ def tree_settings(run_dir: Path, step: int) -> dict[str, Any] | None:
     temperatures = None
     if calibration.is_file():
         try:
-            temperatures = [
-                float(t) for t in json.loads(calibration.read_text(encoding="utf-8"))["temperatures"]
-            ]
+            fitted = json.loads(calibration.read_text(encoding="utf-8"))
+            temperatures = [float(t) for t in fitted["temperatures"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(
                 f"{calibration}: not a calibration file ({exc}); delete it or fit it again"
@@ -217,6 +216,10 @@ def tree_settings(run_dir: Path, step: int) -> dict[str, Any] | None:
         )
     if temperatures is not None:
         body["temperatures"] = temperatures  # depth 1..block_size-1: divide the logits by these
+        # the taus above are the raw distributions'; these were measured with the temperatures
+        body["temperatures_step"] = fitted.get("step")
+        taus = fitted.get("taus")
+        body["temperatures_taus"] = taus.get("calibrated") if isinstance(taus, dict) else None
     return body
 
 

@@ -258,7 +258,12 @@ def test_an_export_carries_the_runs_ddtree_settings(run_with_checkpoint, tmp_pat
     shutil.copytree(run_with_checkpoint[0], run_dir)
     evals = [_tree_eval(5, 2.9), _tree_eval(5, 9.0, split="train"), _tree_eval(7, 3.5)]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
-    (run_dir / "tree-calibration.json").write_text(json.dumps({"temperatures": [1.0, 1.5, 2.0]}))
+    fitted = {
+        "temperatures": [1.0, 1.5, 2.0],
+        "step": 5,
+        "taus": {"raw": {"64": 2.9}, "calibrated": {"64": 3.1}},
+    }
+    (run_dir / "tree-calibration.json").write_text(json.dumps(fitted))
     done = export_run(run_dir, tmp_path / "out")
     settings = json.loads((done.path / "ddtree.json").read_text())
     assert done.ddtree and (done.path / "config.json").is_file()
@@ -274,6 +279,7 @@ def test_an_export_carries_the_runs_ddtree_settings(run_with_checkpoint, tmp_pat
     )
     assert (settings["device"], settings["context"]) == ("NVIDIA H200", 112)
     assert settings["temperatures"] == [1.0, 1.5, 2.0]
+    assert (settings["temperatures_step"], settings["temperatures_taus"]) == (5, {"64": 3.1})
     (run_dir / "tree-calibration.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"tree-calibration\.json: not a calibration file") as info:
         export_run(run_dir, tmp_path / "bad")
