@@ -127,10 +127,11 @@ def cmd_cost(args: argparse.Namespace, overrides: list[str]) -> int:
     if hybrid:
         log(kernels.linear_attention_kernels(target).line())
     meaningless = config.model.kind == "random"
-    if meaningless and taus:
-        log(
-            "note: a random-weight target's tau means nothing: "
-            "the speedups below only illustrate the given taus"
+    if meaningless:
+        print(
+            f"{config.name} has random weights: its tau means nothing; the figures are the cost curve and "
+            "the tau each budget must reach (break-even)"
+            + (", the speedups below only illustrate the given taus" if taus else "")
         )
     results: list[dict[str, Any]] = []
     for context in contexts:
