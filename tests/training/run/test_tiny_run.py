@@ -68,6 +68,19 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     for e in evals:
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
+        # DDTree at the default budgets (eval.tree_budgets), replayed
+        assert [t["budget"] for t in e["tree"]] == [16, 64, 256], e
+        assert all(
+            t["rounds"] == sum(t["hist"]) > 0 and t["tree_size_mean"] <= t["budget"] for t in e["tree"]
+        )
+    assert evals[1]["tree"] == evals[0]["tree"]  # the same checkpoint, the same figures
+    table = evaluate.stdout.splitlines()
+    header = next(
+        i
+        for i, ln in enumerate(table)
+        if ln.split() == ["budget", "tau", "tau/prompt", "x", "chain", "tree", "size"]
+    )
+    assert [ln.split()[0] for ln in table[header + 1 : header + 5]] == ["chain", "16", "64", "256"]
 
     # The exported folder is the same drafter: eval --export measures the same acceptance.
     export = run_dir.parent / "drafter"
@@ -145,3 +158,5 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
     assert len(evals) == 2 and all(e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0 for e in evals)
+    # DDTree on the hybrid: replayed (its Gated DeltaNet state cannot branch into a tree)
+    assert all([t["budget"] for t in e["tree"]] == [16, 64, 256] for e in evals), evals
