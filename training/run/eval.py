@@ -87,6 +87,9 @@ from training.run.tree import (
 # Elements (float32) of one chunk of the replay's drafter attention scores or lm_head logits: about
 # 1 GiB, whatever the vocabulary (Qwen3.6: 248k), the prompt or the number of anchors.
 CHUNK_ELEMENTS = 1 << 28
+# The target attention implementations a tree's 4D additive mask reaches unchanged (FlashAttention
+# cannot express it: DDTree's App. B runs the target on SDPA).
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,12 @@ def tree_method_problem(target: Any, method: str) -> str | None:
         return (
             "eval.tree_method='verify' needs a target whose every layer is full attention (a Gated "
             "DeltaNet state or a sliding window cannot branch into a tree); set eval.tree_method=replay"
+        )
+    kernel = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if method == "verify" and kernel not in MASKED_ATTENTION:
+        return (
+            f"eval.tree_method='verify' needs the target's attention to take a 4D mask (sdpa or eager); "
+            f"it runs {kernel}; set eval.tree_method=replay"
         )
     return None
 

@@ -370,6 +370,10 @@ def test_ddtree_replay_runs_on_the_hybrid_and_verification_is_refused() -> None:
             assert list(generated) == reference[: len(generated)], tree.budget
     problem = tree_method_problem(target, "verify")
     assert problem is not None and "full attention" in problem and "tree_method=replay" in problem
+    full = mixing_target()
+    assert tree_method_problem(full, "verify") is None and tree_method_problem(full, "replay") is None
+    full.config._attn_implementation = "flash_attention_2"
+    assert "sdpa or eager" in str(tree_method_problem(full, "verify"))
     with pytest.raises(ValueError, match="tree_method=replay"):
         evaluate_acceptance(
             target, drafter, prompts, drafter.target_layer_ids, 4, budgets=(16,), tree_method="verify"
