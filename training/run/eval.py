@@ -87,6 +87,9 @@ from training.run.tree import (
 # Elements (float32) of one chunk of the replay's drafter attention scores or lm_head logits: about
 # 1 GiB, whatever the vocabulary (Qwen3.6: 248k), the prompt or the number of anchors.
 CHUNK_ELEMENTS = 1 << 28
+# The target attention implementations a tree's 4D additive mask reaches unchanged (FlashAttention
+# cannot express it: DDTree's App. B runs the target on SDPA).
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,12 @@ def tree_method_problem(target: Any, method: str) -> str | None:
             "eval.tree_method='verify' needs a target whose every layer is full attention (a Gated "
             "DeltaNet state or a sliding window cannot branch into a tree); set eval.tree_method=replay"
         )
+    kernel = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if method == "verify" and kernel not in MASKED_ATTENTION:
+        return (
+            f"eval.tree_method='verify' needs the target's attention to take a 4D mask (sdpa or eager); "
+            f"it runs {kernel}; set eval.tree_method=replay"
+        )
     return None
 
 
@@ -266,6 +275,10 @@ def tree_round(
     )
 
 
+# One prompt's decoding: (its taus, its tree sizes, its generated tokens), as ``_decode`` returns it.
+Decoded = tuple[list[int], list[int], list[int]]
+
+
 # One round: (tau, the tokens it emits = the accepted drafts and the bonus token, drafted nodes).
 Round = Callable[[], tuple[int, list[int], int]]
 
@@ -276,7 +289,7 @@ def _decode(
     eos_token_id: int | None,
     next_round: Round,
     progress: Callable[[int], None] = lambda _produced: None,
-) -> tuple[list[int], list[int], list[int]] | None:
+) -> Decoded | None:
     """One prompt's rounds until ``max_new_tokens`` were produced or EOS was emitted (the module
     docstring): (taus, tree sizes, generated tokens from the prefill's ``first`` on); None when
     ``first`` is EOS (no round). ``progress(produced)`` after every round."""
@@ -332,19 +345,7 @@ class _Decoding:
         return tau, self._emitted(tau), size
 
 
-@dataclass(frozen=True)
-class _Summary:
-    tau_mean: float
-    hist: tuple[int, ...]
-    rounds: int
-    tau_per_prompt: tuple[float, ...]
-    tau_prompt_mean: float
-    taus: tuple[tuple[int, ...], ...]
-    generated: tuple[tuple[int, ...], ...]
-    size_mean: float
-
-
-def _summarise(runs: Sequence[tuple[list[int], list[int], list[int]]], block_size: int) -> _Summary:
+def _summarise(budget: int, runs: Sequence[Decoded], block_size: int) -> TreeAcceptance:
     """The figures of the prompts' ``_decode`` results (the prompts without a round left out)."""
     hist = [0] * block_size
     for taus, _, _ in runs:
@@ -352,32 +353,16 @@ def _summarise(runs: Sequence[tuple[list[int], list[int], list[int]]], block_siz
             hist[tau - 1] += 1
     rounds = sum(hist)
     per_prompt = tuple(sum(taus) / len(taus) for taus, _, _ in runs)
-    return _Summary(
-        tau_mean=sum((i + 1) * c for i, c in enumerate(hist)) / max(rounds, 1),
-        hist=tuple(hist),
-        rounds=rounds,
-        tau_per_prompt=per_prompt,
-        tau_prompt_mean=sum(per_prompt) / max(len(per_prompt), 1),
-        taus=tuple(tuple(taus) for taus, _, _ in runs),
-        generated=tuple(tuple(generated) for _, _, generated in runs),
-        size_mean=sum(sum(sizes) for _, sizes, _ in runs) / max(rounds, 1),
-    )
-
-
-def _tree_acceptance(
-    budget: int, runs: Sequence[tuple[list[int], list[int], list[int]]], block_size: int
-) -> TreeAcceptance:
-    summary = _summarise(runs, block_size)
     return TreeAcceptance(
         budget=budget,
-        tau_mean=summary.tau_mean,
-        tau_prompt_mean=summary.tau_prompt_mean,
-        hist=summary.hist,
-        rounds=summary.rounds,
-        tree_size_mean=summary.size_mean,
-        tau_per_prompt=summary.tau_per_prompt,
-        taus=summary.taus,
-        generated=summary.generated,
+        tau_mean=sum((i + 1) * c for i, c in enumerate(hist)) / max(rounds, 1),
+        tau_prompt_mean=sum(per_prompt) / max(len(per_prompt), 1),
+        hist=tuple(hist),
+        rounds=rounds,
+        tree_size_mean=sum(sum(sizes) for _, sizes, _ in runs) / max(rounds, 1),
+        tau_per_prompt=per_prompt,
+        taus=tuple(tuple(taus) for taus, _, _ in runs),
+        generated=tuple(tuple(generated) for _, _, generated in runs),
     )
 
 
@@ -458,7 +443,7 @@ def replay_acceptance(
         raise ValueError("replay_acceptance: one non-empty continuation per prompt")
     depth = drafter.cfg.block_size - 1
     k = max([1, *budgets])
-    runs: dict[int, list[tuple[list[int], list[int], list[int]]]] = {b: [] for b in budgets}
+    runs: dict[int, list[Decoded]] = {b: [] for b in budgets}
     was_training = drafter.training
     drafter.eval()
     try:
@@ -474,12 +459,12 @@ def replay_acceptance(
                 runs[budget].append(_replay(top_lp, top_tok, y, budget, max_new_tokens, eos_token_id))
     finally:
         drafter.train(was_training)
-    return tuple(_tree_acceptance(b, runs[b], depth + 1) for b in budgets)
+    return tuple(_summarise(b, runs[b], depth + 1) for b in budgets)
 
 
 def _replay(
     top_lp: Tensor, top_tok: Tensor, y: list[int], budget: int, max_new_tokens: int, eos_token_id: int | None
-) -> tuple[list[int], list[int], list[int]]:
+) -> Decoded:
     """One prompt's rounds of one budget on the host: the round anchored at ``y[p]`` accepts the
     longest path of its tree that ``y[p+1:]`` follows, plus the bonus token."""
     depth = top_tok.shape[1]
@@ -534,7 +519,7 @@ def evaluate_acceptance(
         raise ValueError(problem)
     bs = drafter.cfg.block_size
     cached = keeps_kv_cache(target) if kv_cache is None else kv_cache
-    runs: list[tuple[list[int], list[int], list[int]]] = []
+    runs: list[Decoded] = []
     continuations: list[list[int]] = []  # every prompt's, for the replay
     was_training = drafter.training
     drafter.eval()
@@ -573,7 +558,7 @@ def evaluate_acceptance(
             )
     finally:
         drafter.train(was_training)
-    chain = _summarise(runs, bs)
+    chain = _summarise(0, runs, bs)
     return AcceptanceResult(
         tau_mean=chain.tau_mean,
         hist=chain.hist,
@@ -610,7 +595,7 @@ def _verify_trees(
         )
         if decoded is not None:
             runs.append(decoded)
-    return _tree_acceptance(budget, runs, drafter.cfg.block_size)
+    return _summarise(budget, runs, drafter.cfg.block_size)
 
 
 def tree_records(result: AcceptanceResult) -> list[dict[str, Any]]:

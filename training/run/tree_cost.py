@@ -145,14 +145,15 @@ class TreeCost:
             f"t_draft {1e3 * self.t_draft_s:.2f} ms (modelled speedup = tau x t_step / (t_draft + t_verify))"
         )
         rows = [head, f"{'budget':>8} {'tau':>7} {'x chain':>8} {'tree':>6} {'verify ms':>10} {'speedup':>8}"]
-        for budget in sorted(self.t_verify_s):
+        for budget in sorted({*self.t_verify_s, *taus}):  # measured or evaluated
             tau = taus.get(budget)
+            verify = self.t_verify_s.get(budget)
             ratio = f"{tau / chain:.2f}x" if tau is not None and chain else "-"
             size = sizes.get(budget)
             mark = "  <- best" if best is not None and best[0] == budget else ""
             rows.append(
                 f"{'chain' if budget == CHAIN else budget:>8} {_fmt(tau, '.3f'):>7} {ratio:>8} "
-                f"{_fmt(size, '.0f'):>6} {1e3 * self.t_verify_s[budget]:>10.2f} "
+                f"{_fmt(size, '.0f'):>6} {_fmt(None if verify is None else 1e3 * verify, '.2f'):>10} "
                 f"{_fmt(speed.get(budget), '.2f', 'x'):>8}{mark}"
             )
         return "\n".join(rows)

@@ -46,12 +46,13 @@ def test_speedups_and_best_budget_by_hand() -> None:
 
 
 def test_the_table_marks_the_best_budget() -> None:
-    lines = COST.table({0: 2.5, 16: 3.0, 64: 3.6}, sizes={16: 15.5}).splitlines()
+    lines = COST.table({0: 2.5, 16: 3.0, 64: 3.6, 1024: 9.0}, sizes={16: 15.5}).splitlines()
     rows = {line.split()[0]: line for line in lines[2:]}
     assert "<- best" in rows["16"] and "<-" not in rows["64"]
     assert rows["16"].split()[1:6] == ["3.000", "1.20x", "16", "22.00", "2.22x"]  # tree size rounded
     assert rows["chain"].split()[1:3] == ["2.500", "1.00x"]
     assert rows["256"].split()[1] == "-"  # measured, not evaluated
+    assert rows["1024"].split()[1:] == ["9.000", "3.60x", "-", "-", "-"]  # evaluated, not measured
 
 
 def test_tree_cost_runs_on_gpus_only_unless_asked() -> None:
