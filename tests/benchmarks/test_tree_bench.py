@@ -3,24 +3,16 @@ its speedups and best budget; the levers' verdict and the taus' parsing by hand.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from testkit import benchmark_module
 
 
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("tree_bench", REPO / "benchmarks" / "tree_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tree_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("tree_bench")
 
 
 def test_the_verdict_and_the_taus_by_hand() -> None:
