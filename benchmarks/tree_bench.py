@@ -10,7 +10,7 @@
     # levers of the tree's tau, judged at the best budget on the held-out prompts, the chain beside
     python benchmarks/tree_bench.py levers calibrate --run RUN_DIR [--anchors 1024] [--save]
     python benchmarks/tree_bench.py levers train --out OUT [--config smol-h200] \
-        --arm "base=" --arm "gamma14=--drafter.gamma=14" [--set --train.steps=3000 ...]
+        --arm "base=" --arm "gamma14=--drafter.gamma=14" [--set=--train.steps=3000 ...]
 
 ``cost`` builds the config's target and an untrained drafter of its [drafter] shape on one device
 and times a round's parts at each context (``training.run.tree_cost.measure_tree_cost``: the
