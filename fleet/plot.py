@@ -1,12 +1,15 @@
 """``fab plot``: loss, acceptance tau and tokens/s over steps as one PNG (matplotlib, Agg).
 
 The curves come from a run's ``step`` events (one line per rank that logs steps) and its
-``eval`` events (real acceptance, drawn as points on the tau panel). Each curve is drawn smoothed
-(a running median, ``smooth``: one outlier, as the first step's loss, does not drag it) over its
-logged points, drawn faint. The loss panel's range is the smoothed curve's: a drafter's first
-steps lose 10x what it loses once it learns (69 nats at step 1 of the smol run, 5-9 after), and
-a range that held them would flatten the curve that matters; points above it are drawn as
-triangles on its top edge and counted on the axis.
+``eval`` events (real acceptance, drawn as points on the tau panel). Where the evals measured
+DDTree (their ``tree`` figures), the tau panel also has the tree's tau at one budget over steps
+(the last eval's best budget by the cost model, else 64), and a fourth panel the last eval's tau
+against the budget, the chain's as a line, with the modelled speedup per budget where measured.
+Each curve is drawn smoothed (a running median, ``smooth``: one outlier, as the first step's
+loss, does not drag it) over its logged points, drawn faint. The loss panel's range is the
+smoothed curve's: a drafter's first steps lose 10x what it loses once it learns (69 nats at step 1
+of the smol run, 5-9 after), and a range that held them would flatten the curve that matters;
+points above it are drawn as triangles on its top edge and counted on the axis.
 ``series_from_events`` is pure; ``plot_png`` writes the file; ``plot_target`` plots a target's
 latest run (the last ``PLOT_EVENT_BYTES`` of events.jsonl fetched in one command, no log),
 ``plot_log`` a local run dir or events file (``--log``).
@@ -24,7 +27,7 @@ from fleet.errors import ConfigError, RunError
 from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
 from fleet.status.model import continuous_events
-from training.contract import EVENTS_FILE, parse_events
+from training.contract import EVENTS_FILE, TreeFigures, parse_events, tree_figures
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -49,6 +52,8 @@ class PlotData:
     tau: tuple[Series, ...]
     tokens_per_s: tuple[Series, ...]
     eval_tau: Series | None
+    tree_tau: Series | None = None  # the tree's tau at last_tree's shown budget, over steps
+    last_tree: TreeFigures | None = None  # the last held-out eval's tree figures
 
     @property
     def empty(self) -> bool:
@@ -61,6 +66,7 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
     events = continuous_events(events)
     per_rank: dict[tuple[int, str], dict[str, list[tuple[int, float]]]] = {}
     evals: list[tuple[int, float]] = []
+    trees: list[TreeFigures] = []
     for ev in events:
         kind = ev.get("event")
         step = ev.get("step")
@@ -77,6 +83,9 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
             value = ev.get("tau_mean")
             if isinstance(value, int | float) and math.isfinite(value):
                 evals.append((step, float(value)))
+            figures = tree_figures(ev) if ev.get("split", "held_out") == "held_out" else None
+            if figures is not None:
+                trees.append(figures)
 
     drafters = sorted(key for key in per_rank if key[1] != "single")
 
@@ -95,7 +104,21 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
         return tuple(out)
 
     eval_series = Series("eval tau (verified)", tuple(s for s, _ in evals), tuple(v for _, v in evals))
-    return PlotData(curves("loss"), curves("tau"), curves("tokens_per_s"), eval_series if evals else None)
+    last = trees[-1] if trees else None
+    tree_series = None
+    if last is not None:
+        budget = last.shown_budget
+        points = [(t.step, t.taus[budget]) for t in trees if budget in t.taus]
+        name = f"eval tree tau @{budget} (greedy replay)"
+        tree_series = Series(name, tuple(p[0] for p in points), tuple(p[1] for p in points))
+    return PlotData(
+        curves("loss"),
+        curves("tau"),
+        curves("tokens_per_s"),
+        eval_series if evals else None,
+        tree_series,
+        last,
+    )
 
 
 def smooth(values: Sequence[float], window: int = SMOOTH_POINTS) -> list[float]:
@@ -123,14 +146,42 @@ def loss_range(series: Sequence[Series]) -> tuple[float | None, int]:
     return (top, clipped) if clipped else (None, 0)
 
 
+def tree_panel(ax: Any, tree: TreeFigures) -> None:
+    """The last eval's tau against the tree budget (log scale), the chain's tau as a line, and
+    the modelled speedup per budget on a second axis where the cost was measured."""
+    budgets = sorted(b for b in tree.taus if b > 0)
+    ax.plot(budgets, [tree.taus[b] for b in budgets], "o-", color="C0", label="tree tau (greedy replay)")
+    if 0 in tree.taus:
+        ax.axhline(tree.taus[0], color="black", linestyle="--", linewidth=1, label="chain tau")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel(f"tree budget (nodes), eval at step {tree.step}")
+    ax.set_ylabel("acceptance length tau\n(last eval)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small")
+    measured = sorted(b for b in tree.speedups if b > 0)
+    if measured:
+        twin = ax.twinx()
+        twin.plot(measured, [tree.speedups[b] for b in measured], "s:", color="C3", label="modelled speedup")
+        if tree.best_budget in measured:
+            twin.plot([tree.best_budget], [tree.speedups[tree.best_budget]], "*", color="C3", markersize=14)
+        twin.set_ylabel("modelled speedup (x)", color="C3")
+        twin.legend(loc="lower right", fontsize="small")
+
+
 def figure(data: PlotData, title: str) -> Any:
-    """The three panels as a matplotlib Figure (Agg); the caller closes it."""
+    """The three panels (four with tree figures) as a matplotlib Figure (Agg); the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True)
+    count = 4 if data.last_tree is not None else 3
+    fig, axes = plt.subplots(count, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
+    for ax in axes[1:3]:
+        ax.sharex(axes[0])
+    for ax in axes[:2]:
+        ax.tick_params(labelbottom=False)
     top, clipped = loss_range(data.loss)
     above = f"\n{clipped} early point{'s' if clipped > 1 else ''} above, clipped" if clipped else ""
     panels = (
@@ -156,9 +207,14 @@ def figure(data: PlotData, title: str) -> Any:
     if data.eval_tau:
         e = data.eval_tau
         axes[1].plot(e.steps, e.values, "o", color="black", label=e.label)
+    if data.tree_tau:
+        t = data.tree_tau
+        axes[1].plot(t.steps, t.values, "D", color="C3", label=t.label)
+    if data.last_tree is not None:
+        tree_panel(axes[3], data.last_tree)
     note = f"lines: running median of {SMOOTH_POINTS} logged steps; faint dots: each logged step"
     axes[0].set_title(note, fontsize="small", loc="left")
-    for ax in axes:
+    for ax in axes[:3]:
         labels = ax.get_legend_handles_labels()[1]
         if len(labels) > 1 or (labels and labels != ["training"]):  # one process: no legend needed
             ax.legend(loc="best", fontsize="small")
@@ -169,7 +225,7 @@ def figure(data: PlotData, title: str) -> Any:
 
 
 def plot_png(data: PlotData, out: Path, title: str) -> Path:
-    """Write the three panels to ``out`` (PNG, WIDTH_PX x HEIGHT_PX)."""
+    """Write the panels to ``out`` (PNG, WIDTH_PX x HEIGHT_PX)."""
     from matplotlib import pyplot as plt
 
     if data.empty:

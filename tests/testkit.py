@@ -659,6 +659,21 @@ def wait_status(
     return holder["st"]
 
 
+# ------------------------------------------------------------------ benchmark scripts
+
+
+def benchmark_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` imported as module ``name`` (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # ------------------------------------------------------------------ tiny models and configs
 
 

@@ -189,6 +189,21 @@ class EvalSection:
     # trains on (memorisation against a train/inference mismatch: `python -m training eval
     # --eval.split=train`)
     split: str = "held_out"
+    # DDTree (training.run.eval, arXiv 2604.12989): per budget, the acceptance of rounds that verify a
+    # best-first tree of that many drafted nodes instead of the chain (the eval event's `tree`);
+    # [] = none. Ascending, 1..MAX_TREE_BUDGET. The paper sweeps 16..1024 (its speedup peaks at
+    # 256-512 on H200s); 16/64/256 span it at the cost of one replay per prompt.
+    tree_budgets: tuple[int, ...] = (16, 64, 256)
+    # replay: the target's greedy continuation replayed against each budget's trees on the host (one
+    # teacher-forced target pass and one drafter pass per prompt; every target, the Qwen3.5/3.6 hybrid
+    # included); verify: each tree verified by the target through its KV cache with the ancestor-only
+    # mask (a decode per budget; targets whose every layer is full attention). The same taus where
+    # both apply.
+    tree_method: str = "replay"
+    # DDTree's cost per budget on the target's device (training.run.tree_cost): "auto" = measured
+    # on a GPU (once per process, reused by later evals), off on the CPU; "on" | "off".
+    tree_cost: str = "auto"
+    tree_cost_budgets: tuple[int, ...] = (0, 16, 32, 64, 128, 256, 512, 1024)  # 0 = the chain
 
 
 @dataclass(frozen=True)
@@ -237,6 +252,9 @@ class RunConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
 
 
+TREE_METHODS = ("replay", "verify")  # eval.tree_method (training.run.eval)
+MAX_TREE_BUDGET = 4096  # the paper's largest is 1024; a heap of more nodes per round is the host's time
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "target": TargetSection,
@@ -259,7 +277,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.reasoning": ("keep", "drop"),
     "wandb.mode": ("offline", "online"),
     "compile.enabled": ("auto", "on", "off"),
+    "eval.tree_cost": ("auto", "on", "off"),
     "pipeline.order": ("free", "fixed"),
+    "eval.tree_method": TREE_METHODS,
 }
 
 
@@ -434,6 +454,17 @@ def validate(config: RunConfig) -> None:
         )
     if config.eval.split not in EVAL_SPLITS:
         raise ConfigError(f"config key eval.split: {config.eval.split!r}: one of {', '.join(EVAL_SPLITS)}")
+    budgets = list(config.eval.tree_budgets)
+    if budgets != sorted(set(budgets)) or any(not 1 <= b <= MAX_TREE_BUDGET for b in budgets):
+        raise ConfigError(
+            f"config key eval.tree_budgets: {budgets}: give ascending, distinct budgets in "
+            f"1..{MAX_TREE_BUDGET} (e.g. 16,64,256), or none"
+        )
+    costed = config.eval.tree_cost_budgets
+    if any(b < 0 for b in costed) or len(set(costed)) != len(costed):
+        raise ConfigError(
+            f"config key eval.tree_cost_budgets: {list(costed)}: give distinct budgets >= 0 (0 = the chain)"
+        )
     sources = [part.strip() for part in config.data.regen_sources.split(",")]
     if not sources or any(part not in REGEN_SOURCES for part in sources) or len(set(sources)) != len(sources):
         raise ConfigError(

@@ -217,7 +217,7 @@ PHASES = (
 )
 
 # Field kinds: "int", "float" (int accepted), "str", "list[float]", "list[int]", "dict[str,str]", "buckets",
-# "phase", "role".
+# "trees" (lists of objects: OBJECT_LISTS), "object" (any JSON object), "phase", "role".
 COMMON_FIELDS: dict[str, str] = {"v": "int", "ts": "float", "event": "str", "rank": "int", "role": "role"}
 
 EVENT_FIELDS: dict[str, dict[str, str]] = {
@@ -296,6 +296,11 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     },
 }
 
+# Fields an event may carry (written by newer trainers only), checked where present.
+OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
+    "eval": {"tau_prompt_mean": "float", "split": "str", "tree": "trees", "tree_cost": "object"},
+}
+
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).
 ERROR_PEER_FIELDS: dict[str, str] = {"peer_rank": "int", "peer_role": "role", "peer_host": "str"}
 
@@ -311,6 +316,19 @@ BUCKET_FIELDS: dict[str, str] = {
     "hi": "int",
     "batches": "int",
     "percent": "float",
+}
+# One DDTree budget of the eval event's ``tree`` (training.run.eval.TreeAcceptance).
+TREE_FIELDS: dict[str, str] = {
+    "budget": "int",
+    "tau_mean": "float",
+    "tau_prompt_mean": "float",
+    "hist": "list[int]",
+    "rounds": "int",
+    "tree_size_mean": "float",
+}
+OBJECT_LISTS: dict[str, tuple[str, dict[str, str]]] = {
+    "buckets": ("buckets", BUCKET_FIELDS),
+    "trees": ("tree budgets", TREE_FIELDS),
 }
 
 
@@ -343,19 +361,22 @@ def _check(kind: str, value: object, where: str) -> list[str]:
         ok = isinstance(value, list) and all(_is_int(x) for x in value)
     elif kind == "dict[str,str]":
         ok = isinstance(value, dict) and all(isinstance(x, str) for item in value.items() for x in item)
-    elif kind == "buckets":
+    elif kind == "object":
+        ok = isinstance(value, dict)
+    elif kind in OBJECT_LISTS:
+        what, fields = OBJECT_LISTS[kind]
         if not isinstance(value, list):
-            return [f"{where}: expected a list of buckets, got {type(value).__name__}"]
+            return [f"{where}: expected a list of {what}, got {type(value).__name__}"]
         problems: list[str] = []
-        for i, bucket in enumerate(value):
-            if not isinstance(bucket, dict):
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
                 problems.append(f"{where}[{i}]: expected an object")
                 continue
-            for name, sub in BUCKET_FIELDS.items():
-                if name not in bucket:
+            for name, sub in fields.items():
+                if name not in item:
                     problems.append(f"{where}[{i}].{name}: missing")
                 else:
-                    problems.extend(_check(sub, bucket[name], f"{where}[{i}].{name}"))
+                    problems.extend(_check(sub, item[name], f"{where}[{i}].{name}"))
         return problems
     else:  # pragma: no cover - a typo in the table above
         raise ValueError(f"unknown field kind {kind!r}")
@@ -368,8 +389,9 @@ def validate_event(obj: object) -> list[str]:
     """Every way ``obj`` (one parsed events.jsonl line) breaks the schema; empty when valid.
 
     Unknown events and extra fields are allowed (forward compatible); known events must
-    carry all their fields with the right types. NaN is accepted for floats (a diverged loss
-    is still a valid report), infinity is not (JSON cannot carry it).
+    carry all their fields with the right types, and their ``OPTIONAL_FIELDS`` where present.
+    NaN is accepted for floats (a diverged loss is still a valid report), infinity is not (JSON
+    cannot carry it).
     """
     if not isinstance(obj, dict):
         return [f"line is {type(obj).__name__}, expected an object"]
@@ -389,6 +411,9 @@ def validate_event(obj: object) -> list[str]:
         if name not in obj:
             problems.append(f"{event}.{name}: missing")
         else:
+            problems.extend(_check(kind, obj[name], f"{event}.{name}"))
+    for name, kind in OPTIONAL_FIELDS.get(event, {}).items():
+        if name in obj:
             problems.extend(_check(kind, obj[name], f"{event}.{name}"))
     return problems
 
@@ -458,6 +483,101 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as handle:
         values, _broken = _objects(handle)
     return [obj for obj in values if isinstance(obj, dict)]
+
+
+# --- an eval event's DDTree figures ---------------------------------------------------------------
+
+# The file of DDTree's settings beside an exported drafter's config.json (training.export): the
+# budgets measured with their tau, the best budget and, where fitted, per-depth temperatures.
+DDTREE_FILE = "ddtree.json"
+# A run dir's per-depth temperatures of the drafter's distributions (benchmarks/tree_bench.py
+# ``levers calibrate --save``); an export carries them into DDTREE_FILE.
+TREE_CALIBRATION_FILE = "tree-calibration.json"
+DEFAULT_TREE_BUDGET = 64  # the budget shown when the cost model picked none (the evaluator's middle one)
+
+
+@dataclass(frozen=True)
+class TreeFigures:
+    """An ``eval`` event's DDTree figures (training/EVENTS.md): tau per round by budget (0 = the
+    chain, the event's own ``tau_mean``), each budget's mean tree size and, where the cost was
+    measured, the modelled speedup per budget and the best budget."""
+
+    step: int
+    taus: dict[int, float]
+    sizes: dict[int, float]
+    speedups: dict[int, float]
+    best_budget: int | None
+    best_speedup: float | None
+    device: str = ""
+    context: int | None = None
+
+    @property
+    def shown_budget(self) -> int:
+        """The budget a one-line summary names: the best where measured, else 64 (or the largest
+        tree budget below it)."""
+        trees = sorted(b for b in self.taus if b > 0)
+        if self.best_budget is not None and self.best_budget in self.taus and self.best_budget > 0:
+            return self.best_budget
+        below = [b for b in trees if b <= DEFAULT_TREE_BUDGET]
+        return below[-1] if below else trees[0]
+
+    def text(self) -> str:
+        """``tree tau 4.15 @64, 1.42x chain; best budget 128: ~2.3x speedup modelled``."""
+        shown = self.shown_budget
+        chain = self.taus.get(0)
+        ratio = f", {self.taus[shown] / chain:.2f}x chain" if chain else ""
+        line = f"tree tau {self.taus[shown]:.2f} @{shown}{ratio}"
+        if self.best_budget is not None and self.best_speedup is not None:
+            name = "the chain" if self.best_budget == 0 else str(self.best_budget)
+            line += f"; best budget {name}: ~{self.best_speedup:.2f}x speedup modelled"
+            if self.device:
+                line += f" ({self.device})"
+        return line
+
+
+def _budget_map(value: object) -> dict[int, float]:
+    """``{"16": 1.2, ...}`` -> {16: 1.2}; entries that are not a budget and a number are dropped."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[int, float] = {}
+    for key, number in value.items():
+        if isinstance(key, str) and key.isdigit() and _is_float(number):
+            out[int(key)] = float(number)
+    return out
+
+
+def tree_figures(ev: Mapping[str, Any]) -> TreeFigures | None:
+    """The DDTree figures of one ``eval`` event; None when it has no ``tree`` list."""
+    entries = ev.get("tree")
+    step = ev.get("step")
+    if not isinstance(entries, list) or not _is_int(step):
+        return None
+    taus: dict[int, float] = {}
+    sizes: dict[int, float] = {}
+    if _is_float(ev.get("tau_mean")):
+        taus[0] = float(ev["tau_mean"])
+    for entry in entries:
+        if isinstance(entry, dict) and _is_int(entry.get("budget")) and _is_float(entry.get("tau_mean")):
+            taus[entry["budget"]] = float(entry["tau_mean"])
+            if _is_float(entry.get("tree_size_mean")):
+                sizes[entry["budget"]] = float(entry["tree_size_mean"])
+    if not any(b > 0 for b in taus):
+        return None
+    cost = ev.get("tree_cost")
+    cost = cost if isinstance(cost, dict) else {}
+    best = cost.get("best_budget")
+    speed = cost.get("best_speedup")
+    context = cost.get("context")
+    return TreeFigures(
+        step=step,
+        taus=taus,
+        sizes=sizes,
+        speedups=_budget_map(cost.get("speedup")),
+        best_budget=best if _is_int(best) else None,
+        best_speedup=float(speed) if _is_float(speed) else None,
+        device=str(cost.get("device", "")),
+        context=context if _is_int(context) else None,
+    )
 
 
 # --- the bucket table of the start-up log ---------------------------------------------------------

@@ -25,6 +25,12 @@ reader never sees half of it) holds:
     then the top level).
 the tokenizer files
     The run's tokenizer (``save_pretrained``), so the folder names its MASK token.
+``ddtree.json`` (when the run's evals measured DDTree, or its drafter has fitted temperatures)
+    What the serving side sets for DDTree (``tree_settings``): the tree budgets the eval measured
+    with their tau (greedy replay on held-out prompts) and, where the cost was measured on the
+    target's device, each budget's modelled speedup, the best budget and that device; the
+    per-depth temperatures of the drafter's distributions where a calibration was fitted
+    (``tree-calibration.json`` in the run dir, benchmarks/tree_bench.py ``levers calibrate --save``).
 
 The checkpoint read is the newest complete one (``--step N``: that one): checkpoints are
 written to a temp file and renamed, so a live run is never disturbed and never read half-written;
@@ -43,7 +49,15 @@ from typing import Any
 import torch
 
 from training.config import ConfigError, RunConfig, TrainingError, read_config
-from training.contract import CHECKPOINT_DIR, HF_CONFIG_FILE
+from training.contract import (
+    CHECKPOINT_DIR,
+    DDTREE_FILE,
+    EVENTS_FILE,
+    HF_CONFIG_FILE,
+    TREE_CALIBRATION_FILE,
+    parse_events,
+    tree_figures,
+)
 from training.model.drafter import DrafterConfig, drafter_layout
 from training.model.hf_folder import ARCHITECTURE, WEIGHTS, load_export_into, read_export
 from training.run.checkpoint import drafter_weights, list_checkpoints, verify_checkpoint
@@ -65,6 +79,7 @@ class Exported:
     checkpoint: str
     num_tensors: int
     mask_token_id: int
+    ddtree: bool = False  # DDTREE_FILE written
 
 
 def _load_checkpoint(run_dir: Path, step: int | None) -> dict[str, Any]:
@@ -154,6 +169,60 @@ def export_config(cfg: DrafterConfig, target_config: Any, tokenizer: Any) -> dic
     }
 
 
+def tree_settings(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """``ddtree.json`` of an export of ``step`` (the module docstring): the figures of the run's held-out
+    eval of that step, else its last one (``eval_step`` says which); None when the run has neither
+    tree figures nor temperatures."""
+    events_path = run_dir / EVENTS_FILE
+    events = parse_events(events_path.read_text(encoding="utf-8")).events if events_path.is_file() else ()
+    found = [
+        figures
+        for ev in events
+        if ev["event"] == "eval" and ev.get("split", "held_out") == "held_out"
+        if (figures := tree_figures(ev)) is not None
+    ]
+    same = [f for f in found if f.step == step]
+    figures = (same or found or [None])[-1]
+    calibration = run_dir / TREE_CALIBRATION_FILE
+    temperatures = None
+    if calibration.is_file():
+        try:
+            fitted = json.loads(calibration.read_text(encoding="utf-8"))
+            temperatures = [float(t) for t in fitted["temperatures"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{calibration}: not a calibration file ({exc}); delete it or fit it again"
+            ) from None
+    if figures is None and temperatures is None:
+        return None
+    body: dict[str, Any] = {"checkpoint_step": step}
+    if figures is not None:
+        body.update(
+            eval_step=figures.step,
+            chain_tau=figures.taus.get(0),
+            budgets=[
+                {
+                    "budget": b,
+                    "tau_mean": figures.taus[b],
+                    "tree_size_mean": figures.sizes.get(b),
+                    "modelled_speedup": figures.speedups.get(b),
+                }
+                for b in sorted(b for b in figures.taus if b > 0)
+            ],
+            best_budget=figures.best_budget,
+            best_speedup_modelled=figures.best_speedup,
+            device=figures.device or None,
+            context=figures.context,
+        )
+    if temperatures is not None:
+        body["temperatures"] = temperatures  # depth 1..block_size-1: divide the logits by these
+        # the taus above are the raw distributions'; these were measured with the temperatures
+        body["temperatures_step"] = fitted.get("step")
+        taus = fitted.get("taus")
+        body["temperatures_taus"] = taus.get("calibrated") if isinstance(taus, dict) else None
+    return body
+
+
 def export_run(run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "bfloat16") -> Exported:
     """Export a run's checkpoint (the newest, or ``step``) to ``out`` (replaced atomically)."""
     from safetensors.torch import save_file
@@ -174,6 +243,7 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, dtype: str 
     body = export_config(cfg, target_config, tokenizer)
     tensors = {name: t.detach().to(DTYPES[dtype]).contiguous() for name, t in weights.items()}
     body["dtype"] = dtype
+    tree = tree_settings(run_dir, int(state["step"]))
 
     out = out.expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -185,12 +255,14 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, dtype: str 
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; engines may run as another user
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        if tree is not None:
+            (tmp / DDTREE_FILE).write_text(json.dumps(tree, indent=2) + "\n", encoding="utf-8")
         tokenizer.save_pretrained(str(tmp))
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Exported(out, int(state["step"]), state["path"], len(tensors), int(mask_id))
+    return Exported(out, int(state["step"]), state["path"], len(tensors), int(mask_id), tree is not None)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -227,7 +299,7 @@ def export_main(
         raise ExportError(f"export to {out} failed: {exc}") from None
     print(
         f"exported step {done.step} ({done.num_tensors} tensors, {dtype}, "
-        f"mask_token_id {done.mask_token_id}) -> {done.path}"
+        f"mask_token_id {done.mask_token_id}{', ' + DDTREE_FILE if done.ddtree else ''}) -> {done.path}"
     )
     if gguf:
         from training.engines.gguf import export_gguf

@@ -62,7 +62,14 @@ from fleet.status.diagnose import (
     killed_diagnosis,
     resume_words,
 )
-from training.contract import EVENTS_FILE, BucketTable, find_bucket_table, parse_events
+from training.contract import (
+    EVENTS_FILE,
+    BucketTable,
+    TreeFigures,
+    find_bucket_table,
+    parse_events,
+    tree_figures,
+)
 
 
 class State(StrEnum):
@@ -309,6 +316,7 @@ class RunStatus:
     attempt: int = 1
     last_cause: str = ""
     serve: ServeFigure | None = None  # the last `serve_bench` event: the drafter in llama.cpp
+    tree: TreeFigures | None = None  # the last held-out eval's DDTree figures (tau per budget, cost)
     progress: PhaseProgress | None = None  # the live phase's last progress report
     loss_window: int | None = None  # steps in each window of loss_trend
 
@@ -320,6 +328,15 @@ class RunStatus:
                 text = f"{t.model_type}, {t.linear_layers} linear-attention layers: {t.summary()}"
                 groups.setdefault(text, []).append(t.rank)
         return list(groups.items())
+
+    def tree_json(self) -> dict[str, Any] | None:
+        """The last eval's DDTree figures for ``--json``: budgets as string keys, and the line."""
+        if self.tree is None:
+            return None
+        data = asdict(self.tree)
+        for key in ("taus", "sizes", "speedups"):
+            data[key] = {str(b): v for b, v in sorted(data[key].items())}
+        return {**data, "shown_budget": self.tree.shown_budget, "text": self.tree.text()}
 
     @property
     def exit_code(self) -> int:
@@ -337,6 +354,7 @@ class RunStatus:
         data["targets"] = [{**asdict(t), "kernels": dict(t.kernels)} for t in self.targets]
         data["exit_code"] = self.exit_code
         data["history"] = [{"step": step, "loss": loss} for step, loss in self.history]
+        data["tree"] = self.tree_json()
         return _json_safe(data)
 
 
@@ -536,6 +554,7 @@ def build_status(
     checkpoint = None
     error = None
     eval_tau = eval_tau_prompt = None
+    tree: TreeFigures | None = None
     serve: ServeFigure | None = None
     targets: dict[int, TargetPath] = {}
     progress: PhaseProgress | None = None
@@ -597,6 +616,7 @@ def build_status(
         elif kind == "eval" and ev.get("split", "held_out") == "held_out":  # not the memorisation check's
             eval_tau = _num(ev.get("tau_mean"))
             eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
+            tree = tree_figures(ev)
         elif kind == "target" and isinstance(ev.get("kernels"), dict):
             kernels = {str(k): str(v) for k, v in ev["kernels"].items()}
             linear = _int(ev.get("linear_layers")) or 0
@@ -721,6 +741,7 @@ def build_status(
         attempt=_attempt(facts.attempts),
         last_cause=str(facts.attempts[-1].get("cause", "")) if facts.attempts else "",
         serve=serve,
+        tree=tree,
         progress=progress if state not in ("finished", "stopped", "failed") else None,
     )
 

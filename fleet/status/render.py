@@ -160,6 +160,8 @@ def render(st: RunStatus, now: float | None = None) -> Group:
         if st.eval_tau and st.eval_tau_prompt:
             tau += f" per round, {_f(st.eval_tau_prompt, '.3f')} per prompt"
         info.add_row("tau", tau)
+    if st.tree is not None:
+        info.add_row("tree", st.tree.text())
     if st.serve is not None:
         info.add_row("engine", st.serve.text())
     if st.tokens_per_s is not None or st.tokens_per_s_by_role:

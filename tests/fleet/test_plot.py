@@ -123,3 +123,50 @@ def test_nothing_to_plot_yet_says_so(tmp_path: Path) -> None:
     (run / "events.jsonl").write_text(json.dumps(start) + "\n")
     with pytest.raises(RunError, match="nothing to plot yet: run run has logged no training step"):
         plot_log(run, out=str(tmp_path / "p.png"))
+
+
+def tree_eval(step: int, tau_64: float, best: int | None = 128) -> dict:
+    entries = [
+        {"budget": b, "tau_mean": t, "tau_prompt_mean": t, "hist": [0, 1], "rounds": 5, "tree_size_mean": b}
+        for b, t in ((16, tau_64 - 0.4), (64, tau_64), (128, tau_64 + 0.2))
+    ]
+    event = {"v": 1, "ts": T0 + 100 + step, "event": "eval", "rank": 0, "role": "single", "step": step,
+             "tau_mean": tau_64 - 1.0, "tau_hist": [1, 2], "tau_estimate": 2.9, "tree": entries}  # fmt: skip
+    if best is not None:
+        event["tree_cost"] = {"device": "H100", "context": 320, "speedup": {"0": 1.5, "16": 1.9, "64": 2.1,
+                              "128": 2.2}, "best_budget": best, "best_speedup": 2.2}  # fmt: skip
+    return event
+
+
+def test_tree_figures_get_their_panel_and_a_curve_at_the_chosen_budget() -> None:
+    events = [step_event(n) for n in range(1, 41)]
+    events += [tree_eval(20, 3.0), {**tree_eval(40, 3.5), "split": "train"}, tree_eval(40, 3.4)]
+    data = series_from_events(events)
+    assert data.last_tree is not None and data.last_tree.step == 40 and data.last_tree.taus[64] == 3.4
+    assert data.tree_tau is not None and data.tree_tau.label.startswith("eval tree tau @128")
+    assert data.tree_tau.steps == (20, 40) and data.tree_tau.values == pytest.approx((3.2, 3.6))
+    fig = figure(data, "t")
+    try:
+        assert len(fig.axes) == 5  # loss, tau, tokens/s, the budget panel and its speedup axis
+        budget_ax, speed_ax = fig.axes[3], fig.axes[4]
+        assert budget_ax.get_xscale() == "log" and "budget" in budget_ax.get_xlabel()
+        tree_line = budget_ax.get_lines()[0]
+        assert list(tree_line.get_xdata()) == [16, 64, 128]
+        assert list(tree_line.get_ydata()) == pytest.approx([3.0, 3.4, 3.6])
+        assert budget_ax.get_lines()[1].get_ydata()[0] == pytest.approx(2.4)  # the chain's tau
+        assert list(speed_ax.get_lines()[0].get_ydata()) == pytest.approx([1.9, 2.1, 2.2])
+        assert "eval tree tau @128 (greedy replay)" in fig.axes[1].get_legend_handles_labels()[1]
+    finally:
+        from matplotlib import pyplot as plt
+
+        plt.close(fig)
+    # no cost measured: the tau at 64 over steps, no speedup axis
+    plain = series_from_events([*events[:40], tree_eval(40, 3.4, best=None)])
+    assert plain.tree_tau is not None and plain.tree_tau.label.startswith("eval tree tau @64")
+    fig = figure(plain, "t")
+    try:
+        assert len(fig.axes) == 4
+    finally:
+        from matplotlib import pyplot as plt
+
+        plt.close(fig)

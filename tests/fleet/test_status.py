@@ -191,6 +191,39 @@ def test_a_serve_bench_after_the_run_is_a_line_and_keeps_it_finished() -> None:
     assert status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20)).serve is None
 
 
+TREE_EVAL = {
+    "step": 3, "tau_mean": 2.5, "tau_hist": [1, 1, 2], "tau_estimate": 2.7, "tau_prompt_mean": 2.4,
+    "tree": [
+        {"budget": b, "tau_mean": t, "tau_prompt_mean": t, "hist": [0, 1], "rounds": 9, "tree_size_mean": b}
+        for b, t in ((16, 3.1), (64, 3.55), (128, 3.8))
+    ],
+    "tree_cost": {
+        "device": "NVIDIA H100 80GB HBM3", "context": 320, "t_step_s": 0.012, "t_draft_s": 0.004,
+        "t_verify_s": {"0": 0.013, "16": 0.013, "64": 0.014, "128": 0.016},
+        "speedup": {"0": 1.76, "16": 2.19, "64": 2.36, "128": 2.28}, "best_budget": 64, "best_speedup": 2.36,
+        "model": "modelled",
+    },
+}  # fmt: skip
+
+
+def test_the_last_evals_tree_figures_are_one_line_and_in_the_json() -> None:
+    run = [*START, ev(1, "phase", phase="train"), step(2, 3), ev(3, "eval", **TREE_EVAL)]
+    st = status(run, RunFacts(alive=True, now=T0 + 4))
+    line = "tree tau 3.55 @64, 1.42x chain; best budget 64: ~2.36x speedup modelled (NVIDIA H100 80GB HBM3)"
+    assert st.tree is not None and st.tree.text() == line
+    assert line in render_text(st, now=T0 + 4, width=200)
+    data = json.loads(json.dumps(st.to_json(), allow_nan=False))
+    assert data["tree"]["taus"] == {"0": 2.5, "16": 3.1, "64": 3.55, "128": 3.8}
+    assert (data["tree"]["best_budget"], data["tree"]["text"]) == (64, line)
+    # no cost measured (a CPU eval): the tau at 64, no speedup; a later eval without a tree clears it
+    plain = {k: v for k, v in TREE_EVAL.items() if k != "tree_cost"}
+    st = status([*run[:-1], ev(3, "eval", **plain)], RunFacts(alive=True, now=T0 + 4))
+    assert st.tree is not None and st.tree.text() == "tree tau 3.55 @64, 1.42x chain"
+    chain_only = {k: v for k, v in plain.items() if k != "tree"}
+    st = status([*run, ev(4, "eval", **chain_only)], RunFacts(alive=True, now=T0 + 5))
+    assert st.tree is None and st.to_json()["tree"] is None and "tree" not in render_text(st, now=T0 + 5)
+
+
 def test_exit_codes_are_distinct_for_unhealthy_states() -> None:
     bad = [STATE_EXIT_CODES[s] for s in ("stopped", "stalled", "failed")]
     assert len(set(bad)) == 3 and 0 not in bad

@@ -68,6 +68,9 @@ def test_overrides_are_coerced_to_the_field_type() -> None:
     assert config.wandb.enabled is True
     assert config.drafter.full_attention_layers == (0, 1)
     assert load_config("tiny-cpu", ["--model.path=/x/y"]).model.path == "/x/y"
+    budgets = load_config("tiny-cpu", ["--eval.tree_budgets=16,32,64,128,256,512"]).eval.tree_budgets
+    assert budgets == (16, 32, 64, 128, 256, 512)
+    assert load_config("tiny-cpu", ["--eval.tree_budgets="]).eval.tree_budgets == ()  # none: the chain only
 
 
 @pytest.mark.parametrize(
@@ -80,6 +83,13 @@ def test_overrides_are_coerced_to_the_field_type() -> None:
         ("--wandb.enabled=maybe", "--wandb.enabled"),
         ("--model.kind=huge", "model.kind"),
         ("--train.steps=0", "train.steps"),
+        ("--eval.tree_budgets=64,16", "eval.tree_budgets"),
+        ("--eval.tree_budgets=16,16", "eval.tree_budgets"),
+        ("--eval.tree_budgets=0,16", "eval.tree_budgets"),
+        ("--eval.tree_budgets=8192", "eval.tree_budgets"),
+        ("--eval.tree_method=beam", "eval.tree_method"),
+        ("--eval.tree_cost=sometimes", "eval.tree_cost"),
+        ("--eval.tree_cost_budgets=0,16,16", "eval.tree_cost_budgets"),
     ],
 )
 def test_bad_overrides_name_the_key(override: str, names: str) -> None:

@@ -68,3 +68,25 @@ def test_topology_ranks_and_roles() -> None:
     for bad in ("", "5", "0+3", "5+0", "5x3"):
         with pytest.raises(ValueError):
             parse_topology(bad)
+
+
+def test_an_eval_events_tree_figures_are_read_and_checked() -> None:
+    from training.contract import tree_figures
+
+    tree = [{"budget": b, "tau_mean": t, "tau_prompt_mean": t, "hist": [1], "rounds": 2, "tree_size_mean": 9}
+            for b, t in ((16, 2.5), (128, 3.0))]  # fmt: skip
+    cost = {"device": "H200", "context": 96, "speedup": {"0": 1.2, "16": 1.5, "x": 9.0, "64": "fast"},
+            "best_budget": 16, "best_speedup": 1.5}  # fmt: skip
+    ev = {"v": 1, "ts": 1.0, "event": "eval", "rank": 0, "role": "single", "step": 7, "tau_mean": 2.0,
+          "tau_hist": [1], "tau_estimate": 2.0, "tree": tree, "tree_cost": cost}  # fmt: skip
+    assert validate_event(ev) == []
+    assert validate_event({**ev, "tree_cost": [1]}) == ["eval.tree_cost: expected object, got [1]"]
+    figures = tree_figures(ev)
+    assert figures is not None and figures.taus == {0: 2.0, 16: 2.5, 128: 3.0}
+    assert figures.speedups == {0: 1.2, 16: 1.5}  # entries that are not a budget and a number dropped
+    assert (figures.shown_budget, figures.best_budget, figures.context) == (16, 16, 96)
+    assert figures.text() == "tree tau 2.50 @16, 1.25x chain; best budget 16: ~1.50x speedup modelled (H200)"
+    # no cost: the largest budget up to 64 is shown; no tree: no figures
+    plain = tree_figures({**ev, "tree_cost": None})
+    assert plain is not None and plain.text() == "tree tau 2.50 @16, 1.25x chain"
+    assert tree_figures({**ev, "tree": []}) is None and tree_figures({**ev, "step": None}) is None

@@ -89,3 +89,21 @@ def test_every_event_of_the_table_has_a_schema() -> None:
         assert f"`{event}`" in doc
         for name in fields:
             assert f"`{name}`" in doc, (event, name)
+
+
+def test_the_eval_events_optional_fields_are_checked_where_present() -> None:
+    base = {"v": 1, "ts": 1.0, "rank": 0, "role": "single", "event": "eval"}
+    base |= {"step": 5, "tau_mean": 1.5, "tau_hist": [1, 1], "tau_estimate": 1.4}
+    tree = {"budget": 16, "tau_mean": 1.8, "tau_prompt_mean": 1.7, "hist": [1, 4], "rounds": 5}
+    tree |= {"tree_size_mean": 16.0}
+    assert validate_event(base) == []  # an older trainer's event: no tree
+    assert validate_event({**base, "tree": [tree, {**tree, "budget": 64}], "split": "train"}) == []
+    assert validate_event({**base, "tree": [{**tree, "rounds": 2.5}]}) == [
+        "eval.tree[0].rounds: expected int, got 2.5"
+    ]
+    missing = {k: v for k, v in tree.items() if k != "tree_size_mean"}
+    assert validate_event({**base, "tree": [missing]}) == ["eval.tree[0].tree_size_mean: missing"]
+    assert validate_event({**base, "tree": {"16": 1.8}}) == [
+        "eval.tree: expected a list of tree budgets, got dict"
+    ]
+    assert validate_event({**base, "tau_prompt_mean": "high"}) != []

@@ -223,9 +223,67 @@ def test_a_bf16_export_holds_the_same_weights_rounded(run_with_checkpoint, tmp_p
     for name, t in weights.items():
         assert torch.equal(t, own[name].to(torch.bfloat16)), name
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not (folder / "ddtree.json").exists()  # the run measured no tree
     # exporting again replaces the folder whole
     again = export_run(run_dir, folder).path
     assert again == folder and not list(folder.parent.glob(".bf16.*"))
+
+
+def _tree_eval(step: int, tau_64: float, split: str = "held_out") -> dict:
+    tree = [
+        {
+            "budget": b,
+            "tau_mean": t,
+            "tau_prompt_mean": t,
+            "hist": [1],
+            "rounds": 4,
+            "tree_size_mean": b - 1.0,
+        }
+        for b, t in ((16, tau_64 - 0.3), (64, tau_64))
+    ]
+    cost = {"device": "NVIDIA H200", "context": 112, "speedup": {"0": 1.4, "16": 1.7, "64": 1.6},
+            "best_budget": 16, "best_speedup": 1.7}  # fmt: skip
+    return {"v": 1, "ts": 1.0 + step, "event": "eval", "rank": 0, "role": "single", "step": step,
+            "split": split, "tau_mean": 2.0, "tau_hist": [1], "tau_estimate": 2.1, "tree": tree,
+            "tree_cost": cost}  # fmt: skip
+
+
+def test_an_export_carries_the_runs_ddtree_settings(run_with_checkpoint, tmp_path: Path) -> None:
+    import shutil
+
+    from training.config import ConfigError
+    from training.export import export_run
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_with_checkpoint[0], run_dir)
+    evals = [_tree_eval(5, 2.9), _tree_eval(5, 9.0, split="train"), _tree_eval(7, 3.5)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    fitted = {
+        "temperatures": [1.0, 1.5, 2.0],
+        "step": 5,
+        "taus": {"raw": {"64": 2.9}, "calibrated": {"64": 3.1}},
+    }
+    (run_dir / "tree-calibration.json").write_text(json.dumps(fitted))
+    done = export_run(run_dir, tmp_path / "out")
+    settings = json.loads((done.path / "ddtree.json").read_text())
+    assert done.ddtree and (done.path / "config.json").is_file()
+    assert settings["checkpoint_step"] == settings["eval_step"] == 5  # the checkpoint's own eval, held out
+    assert settings["budgets"] == [
+        {"budget": 16, "tau_mean": 2.6, "tree_size_mean": 15.0, "modelled_speedup": 1.7},
+        {"budget": 64, "tau_mean": 2.9, "tree_size_mean": 63.0, "modelled_speedup": 1.6},
+    ]
+    assert (settings["chain_tau"], settings["best_budget"], settings["best_speedup_modelled"]) == (
+        2.0,
+        16,
+        1.7,
+    )
+    assert (settings["device"], settings["context"]) == ("NVIDIA H200", 112)
+    assert settings["temperatures"] == [1.0, 1.5, 2.0]
+    assert (settings["temperatures_step"], settings["temperatures_taus"]) == (5, {"64": 3.1})
+    (run_dir / "tree-calibration.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"tree-calibration\.json: not a calibration file") as info:
+        export_run(run_dir, tmp_path / "bad")
+    assert "\n" not in str(info.value)
 
 
 def test_export_refuses_old_checkpoints_and_missing_steps(run_with_checkpoint, tmp_path: Path) -> None:

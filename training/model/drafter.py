@@ -8,6 +8,8 @@ Interface (the contract with the trainer; keep it):
     DFlashDrafter(cfg, target_config, embed_tokens, lm_head)
       .forward(input_ids, target_hidden, loss_mask, anchors) -> DraftOutput
       .propose(target_hidden, last_token) -> LongTensor [N, B-1]   (greedy block, for eval)
+      .propose_logits(target_hidden, last_token) -> [N, B-1, V]    (propose = its argmax)
+      .draft_hidden(target_hidden, first_tokens, anchors) -> [N, K, B-1, H]  (eval, any anchors)
     sample_anchors(loss_mask, lengths, num_anchors, generator) -> LongTensor [B, K]
       K = min(num_anchors, T - 1): the same number of anchors in every row of every bucket
     block_labels(input_ids, loss_mask, anchors, block_size) -> (labels, label_mask)  [B, K*bs]
@@ -526,25 +528,41 @@ class DFlashDrafter(nn.Module):
         )
 
     @torch.no_grad()
-    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
-        """Greedy draft of one block per row.
+    def draft_hidden(self, target_hidden: Tensor, first_tokens: Tensor, anchors: Tensor) -> Tensor:
+        """The final hidden states of offsets 1..B-1 of each anchor's block: [N, K, B-1, H].
 
-        target_hidden [N, T, n*H]: the target's chosen hidden states of the verified prefix
-        (positions 0..T-1); last_token [N]: the token at position T (the target's newest
-        token, no hidden state yet) = the block's anchor. Returns [N, B-1] long: the drafted
-        tokens for positions T+1..T+B-1. Dense attention (the query is one block).
-        """
-        n, T = target_hidden.shape[0], target_hidden.shape[1]
-        anchors = torch.full((n, 1), T, dtype=torch.long, device=target_hidden.device)
-        ctx = self.fuse(target_hidden)
-        # One block of queries: the blockwise path is small and never recompiles as T grows.
+        target_hidden [N, T, n*H]: the target's chosen hidden states of positions 0..T-1;
+        first_tokens [N, K]: each block's anchor token; anchors [N, K]: its position (<= T; each
+        block sees the context before its anchor, as ``block_hidden``). Eager, blockwise attention
+        (a compiled drafter's shapes are the training buckets': evaluation shapes change every
+        round), so it runs between compiled steps without a recompile."""
+        n, k = first_tokens.shape
+        T = target_hidden.shape[1]
         attends = {
             w: attention.make_attend(anchors, T, self.cfg.block_size, w, backend="blockwise")
             for w in self.variants()
         }
-        hidden = self._blocks(ctx, last_token.view(n, 1).long(), anchors, attends)
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
-        return logits.argmax(dim=-1)
+        hidden = self._blocks(self.fuse(target_hidden), first_tokens.long(), anchors, attends)
+        return hidden.view(n, k, self.cfg.block_size, -1)[:, :, 1:]
+
+    @torch.no_grad()
+    def propose_logits(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        """The drafter's logits of one block per row: [N, B-1, V] for positions T+1..T+B-1.
+
+        target_hidden [N, T, n*H]: the target's chosen hidden states of the verified prefix
+        (positions 0..T-1); last_token [N]: the token at position T (the target's newest
+        token, no hidden state yet) = the block's anchor. What a DDTree round builds its tree
+        from (``training.run.tree``); ``propose`` is its argmax."""
+        n, T = target_hidden.shape[0], target_hidden.shape[1]
+        anchors = torch.full((n, 1), T, dtype=torch.long, device=target_hidden.device)
+        hidden = self.draft_hidden(target_hidden, last_token.view(n, 1), anchors)[:, 0]
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def propose(self, target_hidden: Tensor, last_token: Tensor) -> Tensor:
+        """Greedy draft of one block per row: [N, B-1] long, the argmax of ``propose_logits``
+        (the drafted tokens for positions T+1..T+B-1)."""
+        return self.propose_logits(target_hidden, last_token).argmax(dim=-1)
 
 
 def block_labels(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from training.compile.cache import start_workers
-from training.config import RunConfig, load_config, with_loaded_shape, write_config
+from training.config import ConfigError, RunConfig, load_config, with_loaded_shape, write_config
 from training.contract import CHECKPOINT_DIR
 from training.data.buckets import Position
 from training.data.dataset import Batch
@@ -41,7 +41,14 @@ from training.model.target import (
 from training.progress import Progress, StopRequested, StopSignals, report_to
 from training.run import core, warm
 from training.run.checkpoint import CheckpointManager, check_finite
-from training.run.eval import evaluate_acceptance
+from training.run.eval import (
+    evaluate_acceptance,
+    tree_method_problem,
+    tree_records,
+    tree_summary,
+    tree_table,
+)
+from training.run.tree_cost import TreeCost, eval_context, measure_tree_cost, tree_cost_enabled
 from training.wandb_logger import NullLogger, make_logger
 
 
@@ -62,6 +69,7 @@ class Trainer:
         self.eval_only = eval_only
         self.hidden_cache = HiddenCache() if config.target.cache_hidden else None
         self.target_s = 0.0  # the last step's target forward, with hidden_cache
+        self._tree_cost: TreeCost | None = None  # measured at the first eval that asks (tree_cost)
         # checkpoints written in the background: training goes on while one is written
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -115,6 +123,8 @@ class Trainer:
             cfg, folder, self.tokenizer, None if self.eval_only else self.events
         )
         print0(f"  Loaded in {seconds:.1f}s, {num_layers(self.target)} layers")
+        if cfg.eval.tree_budgets and (problem := tree_method_problem(self.target, cfg.eval.tree_method)):
+            raise ConfigError(problem)  # now, not after the training
         if not self.eval_only:  # config.json: the target's shape as loaded, not [model]'s defaults
             write_config(with_loaded_shape(cfg, text_config(self.target)), self.run_dir)
 
@@ -253,7 +263,14 @@ class Trainer:
                 cfg.max_new_tokens,
                 eos_token_id=self.tokenizer.eos_token_id,
                 progress=p.update,
+                budgets=cfg.tree_budgets,
+                tree_method=cfg.tree_method,
             )
+        trees = {"tree": tree_records(result)} if result.trees else {}
+        taus = {0: result.tau_mean, **{t.budget: t.tau_mean for t in result.trees}}
+        cost = self.tree_cost() if result.trees else None
+        if cost is not None:
+            trees["tree_cost"] = cost.to_json(taus)
         label, estimate = f"export {export}", ""
         if own:
             self.events.emit(
@@ -264,15 +281,37 @@ class Trainer:
                 tau_hist=list(result.hist),
                 tau_estimate=self.last_tau,
                 tau_prompt_mean=result.tau_prompt_mean,
+                **trees,
             )
             logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
+            logged.update({f"eval/tree_tau_{t.budget}": t.tau_mean for t in result.trees})
+            if cost is not None and (best := cost.best(taus)) is not None:
+                logged.update({"eval/tree_best_budget": best[0], "eval/tree_best_speedup": best[1]})
             self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
             label, estimate = f"step {self.step}", f" (training estimate {self.last_tau:.3f})"
         print0(
             f"eval {label} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
             f"{result.tau_prompt_mean:.3f} per prompt{estimate} over {result.rounds} blocks of "
             f"{result.prompts} prompts; hist={list(result.hist)} ({time.monotonic() - t0:.1f}s)"
+            + (f"; {tree_summary(result)} ({cfg.tree_method})" if result.trees else "")
         )
+        if self.eval_only and result.trees:
+            sizes = {t.budget: t.tree_size_mean for t in result.trees}
+            print0(cost.table(taus, sizes) if cost is not None else tree_table(result))
+        elif cost is not None and (best := cost.best(taus)) is not None:
+            print0(f"DDTree: best budget {best[0]}: ~{best[1]:.2f}x speedup modelled on {cost.device}")
+
+    def tree_cost(self) -> TreeCost | None:
+        """DDTree's cost per budget on this device (``eval.tree_cost``), measured at the first eval
+        that asks and reused by the later ones (the target and its device do not change)."""
+        cfg = self.config.eval
+        if self._tree_cost is None and tree_cost_enabled(cfg.tree_cost, self.device):
+            budgets = cfg.tree_cost_budgets
+            with Progress("eval", "timing DDTree's verify per budget", len(set(budgets)), "budgets") as p:
+                self._tree_cost = measure_tree_cost(
+                    self.target, self.drafter, eval_context(cfg), budgets, progress=p.update
+                )
+        return self._tree_cost
 
     def _log_step(self, result: core.StepResult, batch: Batch, seconds: float) -> None:
         shape = core.batch_shape(batch.input_ids, batch.lengths)

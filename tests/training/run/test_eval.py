@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -12,8 +14,6 @@ from transformers import Qwen3ForCausalLM
 
 from training.model.drafter import DFlashDrafter, DrafterConfig
 from training.run.eval import evaluate_acceptance
-
-torch.set_num_threads(2)
 
 BS = 4
 
@@ -256,3 +256,125 @@ def test_only_full_attention_targets_keep_the_kv_cache() -> None:
     sliding = tiny_qwen3_config()
     sliding.layer_types = ["sliding_attention", "full_attention"]
     assert not keeps_kv_cache(type("Sliding", (), {"config": sliding})())
+
+
+# ------------------------------------------------------------------ DDTree (training.run.tree)
+
+BUDGETS = (16, 64, 256)
+
+
+class RankedOracle(DFlashDrafter):
+    """Drafts the target's greedy continuation ``sequence`` (prompt included) through designed
+    logits: for the block anchored at position ``P``, depth ``i``'s true token is ranked
+    ``(P + 2 * i) % 3`` among random logits (seeded by ``P`` and ``i``). The chain accepts the
+    runs of rank 0; a tree gains where it holds a lower-ranked true token. Its lm_head is the
+    identity, so ``draft_hidden`` (what both ``propose_logits`` and the replay read) gives the
+    logits themselves."""
+
+    def __init__(self, target: Qwen3ForCausalLM, sequence: list[int]) -> None:
+        cfg = DrafterConfig(
+            num_layers=1, block_size=BS, full_attention_layers=(0,), num_target_layers=2, mask_token_id=255
+        )
+        head = torch.nn.Linear(256, 256, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(torch.eye(256))
+        super().__init__(cfg, target.config, target.get_input_embeddings(), head)
+        self.sequence = sequence
+
+    def draft_hidden(self, target_hidden: Tensor, first_tokens: Tensor, anchors: Tensor) -> Tensor:
+        out = torch.empty(*anchors.shape, BS - 1, 256)
+        for row, col in itertools.product(range(anchors.shape[0]), range(anchors.shape[1])):
+            pos = int(anchors[row, col])
+            for i in range(BS - 1):
+                logits = torch.randn(256, generator=torch.Generator().manual_seed(1000 * pos + i))
+                true = self.sequence[pos + 1 + i]
+                logits[true] = -math.inf
+                top = logits.topk(3).values
+                rank = (pos + 2 * i) % 3
+                logits[true] = top[0] + 1 if rank == 0 else (top[rank - 1] + top[rank]) / 2
+                out[row, col, i] = logits
+        return out
+
+
+def _untrained(target: torch.nn.Module, vocab: int) -> DFlashDrafter:
+    torch.manual_seed(4)
+    cfg = DrafterConfig(
+        num_layers=2, block_size=BS, full_attention_layers=(1,), num_target_layers=2, mask_token_id=vocab - 1
+    )
+    return DFlashDrafter(cfg, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+
+
+def _check_trees(target: torch.nn.Module, drafter: DFlashDrafter, prompts: list[list[int]], new: int) -> None:
+    """The chain with budgets is today's eval exactly; replay at budget 0 is the chain; every budget
+    emits the target's own greedy continuation (``generate``); and, on this full-attention target,
+    replay and tree verification give the same taus for every budget."""
+    plain = evaluate_acceptance(target, drafter, prompts, [0, 1], new)
+    replay = evaluate_acceptance(target, drafter, prompts, [0, 1], new, budgets=(0, *BUDGETS))
+    verify = evaluate_acceptance(
+        target, drafter, prompts, [0, 1], new, budgets=(0, *BUDGETS), tree_method="verify"
+    )
+    assert dataclasses.replace(replay, trees=()) == plain == dataclasses.replace(verify, trees=())
+    assert [t.budget for t in replay.trees] == [0, *BUDGETS] == [t.budget for t in verify.trees]
+    chain = replay.trees[0]
+    assert (chain.taus, chain.generated, chain.hist) == (plain.taus, plain.generated, plain.hist)
+    assert chain.tree_size_mean == BS - 1
+    longest = max(len(g) for t in replay.trees for g in t.generated)
+    greedy = [_greedy(target, prompt, longest)[len(prompt) :] for prompt in prompts]
+    for ours, theirs in zip(replay.trees, verify.trees, strict=True):
+        assert ours == theirs, (ours.budget, ours.taus, theirs.taus)
+        for reference, generated in zip(greedy, ours.generated, strict=True):
+            assert list(generated) == reference[: len(generated)], ours.budget
+    for tree in replay.trees[1:]:
+        assert 1 <= tree.tree_size_mean <= tree.budget and sum(tree.hist) == tree.rounds
+
+
+def test_ddtree_replay_equals_tree_verification_and_the_chain_is_budget_0() -> None:
+    """The oracle drafter on a mixing target: trees accept more than the chain (siblings and
+    their subtrees are followed and their KV entries compacted), the same through either method."""
+    target = mixing_target()
+    prompts = [[5, 17, 99, 3, 250, 41, 8], [12, 200, 7]]
+    sequences = [_greedy(target, p, 40) for p in prompts]
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        drafter = RankedOracle(target, sequence)
+        _check_trees(target, drafter, [prompt], 24)
+        result = evaluate_acceptance(target, drafter, [prompt], [0, 1], 24, budgets=BUDGETS)
+        assert result.tau_mean < result.trees[0].tau_mean <= result.trees[-1].tau_mean, result
+
+
+def test_ddtree_replay_equals_tree_verification_with_a_real_drafter() -> None:
+    """An untrained DFlash drafter (real network, its own logits): the same equalities."""
+    target = mixing_target(seed=1)
+    prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11)
+    ]
+    _check_trees(target, _untrained(target, 256), prompts, 12)
+
+
+def test_ddtree_replay_runs_on_the_hybrid_and_verification_is_refused() -> None:
+    """The tiny Qwen3.5 hybrid (Gated DeltaNet layers: no tree verification): the replay's chain is
+    the chain, and every budget's tokens are the target's greedy continuation."""
+    from training.config import load_config
+    from training.model.target import build_random_target
+    from training.run.eval import tree_method_problem
+
+    model = load_config("tiny-qwen3.5-cpu", ["--model.kind=random", "--model.vocab_size=256"]).model
+    target = build_random_target(model, torch.device("cpu"), torch.float32)
+    drafter = _untrained(target, 256)
+    prompts = [[5, 17, 99, 3, 250], [12, 200, 7]]
+    result = evaluate_acceptance(target, drafter, prompts, drafter.target_layer_ids, 10, budgets=(0, 16, 64))
+    assert (result.trees[0].taus, result.trees[0].generated) == (result.taus, result.generated)
+    longest = max(len(g) for t in result.trees for g in t.generated)
+    greedy = [_greedy(target, prompt, longest)[len(prompt) :] for prompt in prompts]
+    for tree in result.trees:
+        for reference, generated in zip(greedy, tree.generated, strict=True):
+            assert list(generated) == reference[: len(generated)], tree.budget
+    problem = tree_method_problem(target, "verify")
+    assert problem is not None and "full attention" in problem and "tree_method=replay" in problem
+    full = mixing_target()
+    assert tree_method_problem(full, "verify") is None and tree_method_problem(full, "replay") is None
+    full.config._attn_implementation = "flash_attention_2"
+    assert "sdpa or eager" in str(tree_method_problem(full, "verify"))
+    with pytest.raises(ValueError, match="tree_method=replay"):
+        evaluate_acceptance(
+            target, drafter, prompts, drafter.target_layer_ids, 4, budgets=(16,), tree_method="verify"
+        )

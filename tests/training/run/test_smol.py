@@ -17,6 +17,7 @@ exactly (``eval --export`` giving the run's own figure: tests/training/run/test_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -53,6 +54,10 @@ OVERRIDES = [
     # two threads spin on each other (this run took 1,117 s in CI instead of ~200 s)
     "--train.torch_threads=1",
 ]
+
+# DDTree budgets the eval's figures are checked at (0 = the chain as a tree): replay against
+# tree verification through the KV cache (training/run/eval.py).
+TREE_BUDGETS = (0, 16, 64)
 
 pytestmark = pytest.mark.slow
 
@@ -98,11 +103,17 @@ def test_z_labs_own_loop_accepts_what_the_runs_eval_accepts(smol_run: Path, tmp_
         assert exported.keys() == checkpoint.keys()
         for name, tensor in checkpoint.items():  # the export holds the checkpoint's weights, exactly
             assert torch.equal(exported[name], tensor), name
-        ours = evaluate_acceptance(
-            trainer.target, trainer.drafter, prompts, trainer.layer_ids, cfg.max_new_tokens, eos_token_id=eos
-        )
+        args = (trainer.target, trainer.drafter, prompts, trainer.layer_ids, cfg.max_new_tokens)
+        ours = evaluate_acceptance(*args, eos_token_id=eos, budgets=TREE_BUDGETS)
+        verified = evaluate_acceptance(*args, eos_token_id=eos, budgets=TREE_BUDGETS, tree_method="verify")
     finally:
         trainer.close()
+    # DDTree on the real target: the chain (budget 0) replayed and verified as a tree is the chain
+    # exactly (tokens and taus); replay and tree verification agree at every budget.
+    assert dataclasses.replace(verified, trees=()) == dataclasses.replace(ours, trees=())
+    assert ours.trees == verified.trees, [(t.budget, t.taus) for t in (*ours.trees, *verified.trees)]
+    assert (ours.trees[0].taus, ours.trees[0].generated) == (ours.taus, ours.generated)
+    assert ours.trees[-1].tau_mean >= ours.tau_mean
     kept = [lengths for lengths in theirs if lengths]
     assert len(kept) == len(ours.taus) == ours.prompts, (theirs, ours)
     for fleet_rounds, zlab_rounds in zip(ours.taus, kept, strict=True):

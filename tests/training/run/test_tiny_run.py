@@ -54,8 +54,10 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     assert [e["phase"] for e in events if e["event"] == "phase"][-1] == "done"
     assert (run_dir / "config.json").is_file()
 
+    # DDTree's cost measured on the CPU too (auto: GPUs only), two budgets: the one table
+    tree = ["--eval.tree_cost=on", "--eval.tree_cost_budgets=0,16"]
     evaluate = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), *tree],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -68,6 +70,21 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     for e in evals:
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
+        # DDTree at the default budgets (eval.tree_budgets), replayed
+        assert [t["budget"] for t in e["tree"]] == [16, 64, 256], e
+        assert all(
+            t["rounds"] == sum(t["hist"]) > 0 and t["tree_size_mean"] <= t["budget"] for t in e["tree"]
+        )
+    assert evals[1]["tree"] == evals[0]["tree"]  # the same checkpoint, the same figures
+    # with the cost measured, the one table has its times and modelled speedups (the best marked)
+    table = evaluate.stdout.splitlines()
+    header = next(i for i, ln in enumerate(table) if ln.split()[:4] == ["budget", "tau", "x", "chain"])
+    assert table[header].split()[4:] == ["tree", "verify", "ms", "speedup"]
+    assert [ln.split()[0] for ln in table[header + 1 : header + 5]] == ["chain", "16", "64", "256"]
+    assert "tree_cost" not in evals[0]  # the training's eval on the CPU: auto is off
+    cost = evals[1]["tree_cost"]
+    assert set(cost["t_verify_s"]) == set(cost["speedup"]) == {"0", "16"} and cost["device"] == "cpu"
+    assert cost["best_budget"] in (0, 16) and "<- best" in evaluate.stdout
 
     # The exported folder is the same drafter: eval --export measures the same acceptance.
     export = run_dir.parent / "drafter"
@@ -87,6 +104,14 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     line = next(ln for ln in from_export.stdout.splitlines() if ln.startswith("eval "))
     assert line.startswith(f"eval export {export} (held_out): tau_mean="), line
     assert f"hist={evals[1]['tau_hist']}" in line, (line, evals[1])
+    # no cost measured (the CPU's default): the tree table alone
+    table = from_export.stdout.splitlines()
+    header = next(
+        i
+        for i, ln in enumerate(table)
+        if ln.split() == ["budget", "tau", "tau/prompt", "x", "chain", "tree", "size"]
+    )
+    assert [ln.split()[0] for ln in table[header + 1 : header + 5]] == ["chain", "16", "64", "256"]
     assert [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"] == evals
 
 
@@ -135,8 +160,10 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     assert steps[-1]["step"] == 20
     assert sum(e["loss"] for e in steps[-2:]) / 2 < 0.75 * steps[0]["loss"], [e["loss"] for e in steps]
 
+    # DDTree's cost measured on the CPU too (auto: GPUs only), two budgets: the one table
+    tree = ["--eval.tree_cost=on", "--eval.tree_cost_budgets=0,16"]
     evaluate = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), *tree],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -145,3 +172,5 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
     assert len(evals) == 2 and all(e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0 for e in evals)
+    # DDTree on the hybrid: replayed (its Gated DeltaNet state cannot branch into a tree)
+    assert all([t["budget"] for t in e["tree"]] == [16, 64, 256] for e in evals), evals
