@@ -1,7 +1,8 @@
 """``fab plot``: loss, acceptance tau and tokens/s over steps as one PNG (matplotlib, Agg).
 
 The curves come from a run's ``step`` events (one line per rank that logs steps) and its
-``eval`` events (real acceptance, drawn as points on the tau panel). Each curve is drawn smoothed
+``eval`` events (real acceptance, one curve of points per eval set on the tau panel: the held-out
+split, the general set, ...). Each curve is drawn smoothed
 (a running median, ``smooth``: one outlier, as the first step's loss, does not drag it) over its
 logged points, drawn faint. The loss panel's range is the smoothed curve's: a drafter's first
 steps lose 10x what it loses once it learns (69 nats at step 1 of the smol run, 5-9 after), and
@@ -24,7 +25,7 @@ from fleet.errors import ConfigError, RunError
 from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
 from fleet.status.model import continuous_events
-from training.contract import EVENTS_FILE, parse_events
+from training.contract import EVENTS_FILE, eval_set, parse_events, set_label
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 PLOT_EVENT_BYTES = 16 * 1024 * 1024
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 1000, 100
 SMOOTH_POINTS = 5  # the running median's window, in logged points, centred
+# The eval sets' points (marker, colour) in order, apart from the training curves' C0, C1, ...
+EVAL_STYLES = (("o", "black"), ("s", "firebrick"), ("^", "darkgreen"), ("D", "purple"), ("v", "saddlebrown"))
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class PlotData:
     loss: tuple[Series, ...]
     tau: tuple[Series, ...]
     tokens_per_s: tuple[Series, ...]
-    eval_tau: Series | None
+    evals: tuple[Series, ...]  # one per eval set, held_out first
 
     @property
     def empty(self) -> bool:
@@ -60,7 +63,7 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
     history across the run dir's launches (steps redone after a resume drawn once)."""
     events = continuous_events(events)
     per_rank: dict[tuple[int, str], dict[str, list[tuple[int, float]]]] = {}
-    evals: list[tuple[int, float]] = []
+    evals: dict[str, list[tuple[int, float]]] = {"held_out": []}
     for ev in events:
         kind = ev.get("event")
         step = ev.get("step")
@@ -76,7 +79,7 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
         elif kind == "eval":
             value = ev.get("tau_mean")
             if isinstance(value, int | float) and math.isfinite(value):
-                evals.append((step, float(value)))
+                evals.setdefault(eval_set(ev), []).append((step, float(value)))
 
     drafters = sorted(key for key in per_rank if key[1] != "single")
 
@@ -94,8 +97,16 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
             out.append(Series(label(rank, role), steps, values))
         return tuple(out)
 
-    eval_series = Series("eval tau (verified)", tuple(s for s, _ in evals), tuple(v for _, v in evals))
-    return PlotData(curves("loss"), curves("tau"), curves("tokens_per_s"), eval_series if evals else None)
+    eval_series = tuple(
+        Series(
+            f"eval tau, {set_label(name)} (verified)",
+            tuple(s for s, _ in points),
+            tuple(v for _, v in points),
+        )
+        for name, points in evals.items()
+        if points
+    )
+    return PlotData(curves("loss"), curves("tau"), curves("tokens_per_s"), eval_series)
 
 
 def smooth(values: Sequence[float], window: int = SMOOTH_POINTS) -> list[float]:
@@ -153,9 +164,9 @@ def figure(data: PlotData, title: str) -> Any:
         for i, s in enumerate(data.loss):
             over = [step for step, v in zip(s.steps, s.values, strict=True) if v > top]
             axes[0].plot(over, [top] * len(over), "^", color=f"C{i}", markersize=7, clip_on=False)
-    if data.eval_tau:
-        e = data.eval_tau
-        axes[1].plot(e.steps, e.values, "o", color="black", label=e.label)
+    for i, e in enumerate(data.evals):
+        marker, color = EVAL_STYLES[i % len(EVAL_STYLES)]
+        axes[1].plot(e.steps, e.values, marker, color=color, linestyle="--", linewidth=1, label=e.label)
     note = f"lines: running median of {SMOOTH_POINTS} logged steps; faint dots: each logged step"
     axes[0].set_title(note, fontsize="small", loc="left")
     for ax in axes:
