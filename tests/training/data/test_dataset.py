@@ -51,15 +51,17 @@ def test_completion_mask_covers_exactly_the_completion_and_eos(tokenizer) -> Non
     assert masked_text(tokenizer, ids, mask) == "    return a + b\n<|endoftext|>"
 
 
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "add two numbers"},
+    {"role": "assistant", "content": "def add(a, b):"},
+    {"role": "user", "content": "and print"},
+    {"role": "assistant", "content": "print(i)"},
+]
+
+
 def test_chat_mask_covers_only_assistant_turns(tokenizer) -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "add two numbers"},
-        {"role": "assistant", "content": "def add(a, b):"},
-        {"role": "user", "content": "and print"},
-        {"role": "assistant", "content": "print(i)"},
-    ]
-    ids, mask = tokenize_chat(tokenizer, messages)
+    ids, mask = tokenize_chat(tokenizer, CHAT)
     assert len(ids) == len(mask)
     labelled = masked_text(tokenizer, ids, mask)
     assert labelled == "def add(a, b):<|im_end|>\nprint(i)<|im_end|>\n"
@@ -191,18 +193,11 @@ def test_the_general_set_is_shipped_balanced_and_read_by_the_loader(tokenizer, t
 def test_a_set_prompt_is_what_precedes_the_first_reply(tokenizer, tmp_path: Path) -> None:
     """prompt_ids, of each format, against the held-out rule: the tokens before the first one that
     tokenize_record labels (its spans found another way: by rendering up to and through a reply)."""
-    chat = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "add two numbers"},
-        {"role": "assistant", "content": "def add(a, b):"},
-        {"role": "user", "content": "and print"},
-        {"role": "assistant", "content": "print(i)"},
-    ]
     records = [
-        {"messages": chat},
+        {"messages": CHAT},
         {"conversations": [{"from": "human", "value": "say hi"}, {"from": "gpt", "value": "hi"}]},
         {"prompt": "def add(a, b):\n", "completion": "    return a + b\n"},
-        {"text": tokenizer.apply_chat_template(chat, tokenize=False)},
+        {"text": tokenizer.apply_chat_template(CHAT, tokenize=False)},
     ]
     marks = template_marks(tokenizer)
     for record in records:
@@ -211,7 +206,14 @@ def test_a_set_prompt_is_what_precedes_the_first_reply(tokenizer, tmp_path: Path
         assert prompt_ids(record, record_format(record), tokenizer, "keep", marks) == ids[: mask.index(1)], (
             record
         )
-    _write_jsonl(tmp_path / "mine.jsonl", [*records[:1], {"messages": chat[:2]}])
+    plain = train_tokenizer(TEXTS, vocab_size=300)
+    plain.chat_template = None  # role: content lines
+    row = tokenize_record(records[0], plain, 512)
+    assert (
+        prompt_ids(records[0], "messages", plain, "keep", None)
+        == row["input_ids"][: row["loss_mask"].index(1)]
+    )
+    _write_jsonl(tmp_path / "mine.jsonl", [*records[:1], {"messages": CHAT[:2]}])
     mine = load_prompt_set(str(tmp_path / "mine.jsonl"), tokenizer, "keep", tmp_path / "dc")
     assert mine[0] == mine[1]  # a record without its replies has the same prompt
     with pytest.raises(ConfigError, match=r"eval.sets: .*absent.jsonl is not a file"):
