@@ -32,7 +32,7 @@ same steps:
   and evaluated by fleet's evaluator (``python -m training eval --export``: greedy verification by
   the target, acceptance per round) on the held-out prompts, in parallel processes; the
   memorisation check evaluates fleet's last checkpoint on ``--diag-prompts`` training prompts and
-  as many held-out ones (``--eval.split=train``). Where the ``dflash`` package is installed, each
+  as many held-out ones (``--eval.sets=train``). Where the ``dflash`` package is installed, each
   export is also decoded by z-lab's own loop on the same held-out prompts (benchmarks/zlab_eval.py:
   the second, independent evaluator; its figure beside fleet's in the report).
 - ``report``: ``results.json``, a plot of tau against steps and against training seconds, and
@@ -551,13 +551,13 @@ def eval_tau(
         str(run_dir),
         "--export",
         str(folder),
-        f"--eval.split={split}",
+        f"--eval.sets={split}",  # that set alone, whatever the run's eval.sets (its general set too)
         f"--eval.num_prompts={prompts}",
     ]
     code = run_logged(argv, args.out / "evals" / f"{label}.log")
     # an export's eval writes no event into the run: its result is its line
     text = (args.out / "evals" / f"{label}.log").read_text()
-    line = next((ln for ln in text.splitlines() if ln.startswith("eval export")), "")
+    line = next((ln for ln in text.splitlines() if ln.startswith("eval export") and f"({split})" in ln), "")
     if code != 0 or not line:
         log(f"eval {label}: exit {code}")
         return None

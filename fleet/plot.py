@@ -1,15 +1,16 @@
 """``fab plot``: loss, acceptance tau and tokens/s over steps as one PNG (matplotlib, Agg).
 
 The curves come from a run's ``step`` events (one line per rank that logs steps) and its
-``eval`` events (real acceptance, drawn as points on the tau panel). Where the evals measured
-DDTree (their ``tree`` figures), the tau panel also has the tree's tau at one budget over steps
-(the last eval's best budget by the cost model, else 64), and a fourth panel the last eval's tau
-against the budget, the chain's as a line, with the modelled speedup per budget where measured.
-Each curve is drawn smoothed (a running median, ``smooth``: one outlier, as the first step's
-loss, does not drag it) over its logged points, drawn faint. The loss panel's range is the
-smoothed curve's: a drafter's first steps lose 10x what it loses once it learns (69 nats at step 1
-of the smol run, 5-9 after), and a range that held them would flatten the curve that matters;
-points above it are drawn as triangles on its top edge and counted on the axis.
+``eval`` events (real acceptance, one curve of points per eval set on the tau panel: the held-out
+split, the general set, ...). Where the held-out evals measured DDTree (their ``tree`` figures), the
+tau panel also has the tree's tau at one budget over steps (the last eval's best budget by the cost
+model, else 64), and a fourth panel the last eval's tau against the budget, the chain's as a line,
+with the modelled speedup per budget where measured. Each curve is drawn smoothed (a running
+median, ``smooth``: one outlier, as the first step's loss, does not drag it) over its logged
+points, drawn faint. The loss panel's range is the smoothed curve's: a drafter's first steps lose
+10x what it loses once it learns (69 nats at step 1 of the smol run, 5-9 after), and a range that
+held them would flatten the curve that matters; points above it are drawn as triangles on its top
+edge and counted on the axis.
 ``series_from_events`` is pure; ``plot_png`` writes the file; ``plot_target`` plots a target's
 latest run (the last ``PLOT_EVENT_BYTES`` of events.jsonl fetched in one command, no log),
 ``plot_log`` a local run dir or events file (``--log``).
@@ -27,7 +28,7 @@ from fleet.errors import ConfigError, RunError
 from fleet.inventory import REPO_ROOT
 from fleet.status.fetch import fetch, read_local
 from fleet.status.model import continuous_events
-from training.contract import EVENTS_FILE, TreeFigures, parse_events, tree_figures
+from training.contract import EVENTS_FILE, TreeFigures, eval_set, parse_events, set_label, tree_figures
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 PLOT_EVENT_BYTES = 16 * 1024 * 1024
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 1000, 100
 SMOOTH_POINTS = 5  # the running median's window, in logged points, centred
+# The eval sets' points (marker, colour) in order, apart from the training curves' C0, C1, ...
+EVAL_STYLES = (("o", "black"), ("s", "firebrick"), ("^", "darkgreen"), ("D", "purple"), ("v", "saddlebrown"))
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class PlotData:
     loss: tuple[Series, ...]
     tau: tuple[Series, ...]
     tokens_per_s: tuple[Series, ...]
-    eval_tau: Series | None
+    evals: tuple[Series, ...]  # one per eval set, held_out first
     tree_tau: Series | None = None  # the tree's tau at last_tree's shown budget, over steps
     last_tree: TreeFigures | None = None  # the last held-out eval's tree figures
 
@@ -65,7 +68,7 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
     history across the run dir's launches (steps redone after a resume drawn once)."""
     events = continuous_events(events)
     per_rank: dict[tuple[int, str], dict[str, list[tuple[int, float]]]] = {}
-    evals: list[tuple[int, float]] = []
+    evals: dict[str, list[tuple[int, float]]] = {"held_out": []}
     trees: list[TreeFigures] = []
     for ev in events:
         kind = ev.get("event")
@@ -82,8 +85,8 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
         elif kind == "eval":
             value = ev.get("tau_mean")
             if isinstance(value, int | float) and math.isfinite(value):
-                evals.append((step, float(value)))
-            figures = tree_figures(ev) if ev.get("split", "held_out") == "held_out" else None
+                evals.setdefault(eval_set(ev), []).append((step, float(value)))
+            figures = tree_figures(ev) if eval_set(ev) == "held_out" else None
             if figures is not None:
                 trees.append(figures)
 
@@ -103,7 +106,15 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
             out.append(Series(label(rank, role), steps, values))
         return tuple(out)
 
-    eval_series = Series("eval tau (verified)", tuple(s for s, _ in evals), tuple(v for _, v in evals))
+    eval_series = tuple(
+        Series(
+            f"eval tau, {set_label(name)} (verified)",
+            tuple(s for s, _ in points),
+            tuple(v for _, v in points),
+        )
+        for name, points in evals.items()
+        if points
+    )
     last = trees[-1] if trees else None
     tree_series = None
     if last is not None:
@@ -111,14 +122,7 @@ def series_from_events(events: Sequence[Mapping[str, Any]]) -> PlotData:
         points = [(t.step, t.taus[budget]) for t in trees if budget in t.taus]
         name = f"eval tree tau @{budget} (greedy replay)"
         tree_series = Series(name, tuple(p[0] for p in points), tuple(p[1] for p in points))
-    return PlotData(
-        curves("loss"),
-        curves("tau"),
-        curves("tokens_per_s"),
-        eval_series if evals else None,
-        tree_series,
-        last,
-    )
+    return PlotData(curves("loss"), curves("tau"), curves("tokens_per_s"), eval_series, tree_series, last)
 
 
 def smooth(values: Sequence[float], window: int = SMOOTH_POINTS) -> list[float]:
@@ -204,9 +208,9 @@ def figure(data: PlotData, title: str) -> Any:
         for i, s in enumerate(data.loss):
             over = [step for step, v in zip(s.steps, s.values, strict=True) if v > top]
             axes[0].plot(over, [top] * len(over), "^", color=f"C{i}", markersize=7, clip_on=False)
-    if data.eval_tau:
-        e = data.eval_tau
-        axes[1].plot(e.steps, e.values, "o", color="black", label=e.label)
+    for i, e in enumerate(data.evals):
+        marker, color = EVAL_STYLES[i % len(EVAL_STYLES)]
+        axes[1].plot(e.steps, e.values, marker, color=color, linestyle="--", linewidth=1, label=e.label)
     if data.tree_tau:
         t = data.tree_tau
         axes[1].plot(t.steps, t.values, "D", color="C3", label=t.label)

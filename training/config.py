@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.contract import CONFIG_FILE
+from training.contract import CONFIG_FILE, EVAL_SET_SUFFIXES
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -185,9 +185,14 @@ class EvalSection:
     num_prompts: int = 8
     prompt_tokens: int = 64
     max_new_tokens: int = 64
-    # held_out: the prompts held out of training (data.eval_prompts); train: prompts of the rows it
-    # trains on (memorisation against a train/inference mismatch: `python -m training eval
-    # --eval.split=train`)
+    # The prompt sets every eval measures, one `eval` event each, num_prompts of each: held_out (the
+    # prompts held out of training: data.eval_prompts, or data.eval_path's), train (prompts of the
+    # rows it trains on: memorisation against a train/inference mismatch), general (the shipped
+    # training/assets/general-prompts.jsonl: chat, explanation, advice, writing, math, reasoning and
+    # code requests unlike any run's training data), or a path to a .jsonl/.json/.parquet file of
+    # records (training.data.formats; a record's prompt is what precedes its first assistant turn).
+    sets: tuple[str, ...] = ("held_out", "general")
+    # The older form of `sets`: "train" measures the training rows alone (= --eval.sets=train).
     split: str = "held_out"
     # DDTree (training.run.eval, arXiv 2604.12989): per budget, the acceptance of rounds that verify a
     # best-first tree of that many drafted nodes instead of the chain (the eval event's `tree`);
@@ -204,6 +209,11 @@ class EvalSection:
     # on a GPU (once per process, reused by later evals), off on the CPU; "on" | "off".
     tree_cost: str = "auto"
     tree_cost_budgets: tuple[int, ...] = (0, 16, 32, 64, 128, 256, 512, 1024)  # 0 = the chain
+
+    @property
+    def active_sets(self) -> tuple[str, ...]:
+        """The sets an eval measures: ``sets``, or ``("train",)`` where ``split`` asks for it."""
+        return ("train",) if self.split == "train" else self.sets
 
 
 @dataclass(frozen=True)
@@ -288,9 +298,14 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _item_type(kind: Any) -> Any:
+    """The item type of a ``tuple[X, ...]`` field (int or str)."""
+    return typing.get_args(kind)[0]
+
+
 def _type_name(kind: Any) -> str:
     if typing.get_origin(kind) is tuple:
-        return "list of integers"
+        return "list of strings" if _item_type(kind) is str else "list of integers"
     return {int: "integer", float: "number", str: "string", bool: "true/false"}.get(kind, str(kind))
 
 
@@ -305,7 +320,9 @@ def _coerce_typed(key: str, kind: Any, value: Any) -> Any:
     if kind is str and isinstance(value, str):
         return value
     if typing.get_origin(kind) is tuple and isinstance(value, list):
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        if _item_type(kind) is str and all(isinstance(x, str) for x in value):
+            return tuple(value)
+        if _item_type(kind) is int and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
             return tuple(value)
     raise ConfigError(
         f"config key {key}: expected {_type_name(kind)}, got {value!r:.40} ({type(value).__name__})"
@@ -330,7 +347,8 @@ def _coerce_text(key: str, kind: Any, text: str) -> Any:
             return float(text)
         if typing.get_origin(kind) is tuple:
             stripped = text.strip().removeprefix("[").removesuffix("]").strip()
-            return tuple(int(part) for part in stripped.split(",") if part.strip())
+            parts = [part.strip() for part in stripped.split(",") if part.strip()]
+            return tuple(parts) if _item_type(kind) is str else tuple(int(part) for part in parts)
     except ValueError:
         pass
     raise ConfigError(f"override --{key}={text}: expected {_type_name(kind)}")
@@ -409,6 +427,21 @@ def build_config(
 
 REGEN_SOURCES = ("stdlib", "packages")
 EVAL_SPLITS = ("held_out", "train")
+EVAL_SETS = ("held_out", "train", "general")
+
+
+def check_eval_sets(sets: tuple[str, ...]) -> None:
+    """``eval.sets``: at least one, none twice, each a known name or a data file's path."""
+    if not sets:
+        raise ConfigError(f"config key eval.sets: empty; give one or more of {', '.join(EVAL_SETS)}")
+    for name in sets:
+        if name not in EVAL_SETS and not name.endswith(EVAL_SET_SUFFIXES):
+            raise ConfigError(
+                f"config key eval.sets: {name!r} is neither one of {', '.join(EVAL_SETS)} nor a path to a "
+                f"{'/'.join(EVAL_SET_SUFFIXES)} file"
+            )
+    if len(set(sets)) != len(sets):
+        raise ConfigError(f"config key eval.sets: {', '.join(sets)} names a set twice; name each once")
 
 
 def validate(config: RunConfig) -> None:
@@ -465,6 +498,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(
             f"config key eval.tree_cost_budgets: {list(costed)}: give distinct budgets >= 0 (0 = the chain)"
         )
+    check_eval_sets(config.eval.sets)
     sources = [part.strip() for part in config.data.regen_sources.split(",")]
     if not sources or any(part not in REGEN_SOURCES for part in sources) or len(set(sources)) != len(sources):
         raise ConfigError(

@@ -19,6 +19,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 # --- the run dir: <workdir>/runs/<run-id>/ -----------------------------------------------------------
@@ -296,10 +297,32 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     },
 }
 
-# Fields an event may carry (written by newer trainers only), checked where present.
+# Fields a known event may carry (written by newer trainers only), checked where present.
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "eval": {"tau_prompt_mean": "float", "split": "str", "tree": "trees", "tree_cost": "object"},
+    "eval": {
+        "set": "str",
+        "split": "str",
+        "tau_prompt_mean": "float",
+        "tree": "trees",
+        "tree_cost": "object",
+    },
 }
+
+
+def eval_set(event: Mapping[str, Any]) -> str:
+    """The eval set an ``eval`` event measured: ``set``; an event written before it had ``split``
+    alone, or neither (then the held-out split, the one set there was)."""
+    return str(event.get("set") or event.get("split") or "held_out")
+
+
+# An ``eval.sets`` entry that ends so is a data file's path (training.config.check_eval_sets).
+EVAL_SET_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def set_label(name: str) -> str:
+    """An ``eval.sets`` entry as figures name it: the set's name, a file's stem."""
+    return PurePosixPath(name).stem if name.endswith(EVAL_SET_SUFFIXES) else name
+
 
 # An N+M rank's error event when a peer died or hung: which one (optional extras of ``error``).
 ERROR_PEER_FIELDS: dict[str, str] = {"peer_rank": "int", "peer_role": "role", "peer_host": "str"}

@@ -66,6 +66,7 @@ from training.contract import (
     EVENTS_FILE,
     BucketTable,
     TreeFigures,
+    eval_set,
     find_bucket_table,
     parse_events,
     tree_figures,
@@ -118,6 +119,25 @@ class LoadProgress:
     done: int
     total: int
     seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class EvalFigure:
+    """The last ``eval`` event of one eval set (``training.contract.eval_set``)."""
+
+    set: str
+    step: int | None
+    tau_mean: float | None  # per round
+    tau_prompt_mean: float | None  # per prompt, as z-lab's benchmark reports it
+
+    @classmethod
+    def from_event(cls, ev: Mapping[str, Any]) -> EvalFigure:
+        return cls(
+            set=eval_set(ev),
+            step=_int(ev.get("step")),
+            tau_mean=_num(ev.get("tau_mean")),
+            tau_prompt_mean=_num(ev.get("tau_prompt_mean")),
+        )
 
 
 @dataclass(frozen=True)
@@ -291,7 +311,7 @@ class RunStatus:
     loss: float | None
     loss_trend: float | None  # mean loss, last loss_window steps vs the loss_window before (-0.05: 5% lower)
     tau: float | None
-    eval_tau: float | None  # the last eval's tau_mean (per round)
+    eval_tau: float | None  # the last held-out eval's tau_mean (per round)
     eval_tau_prompt: float | None  # its tau_prompt_mean (per prompt, as z-lab's benchmark reports it)
     tokens_per_s: float | None
     tokens_per_s_by_role: Mapping[str, float]
@@ -319,6 +339,7 @@ class RunStatus:
     tree: TreeFigures | None = None  # the last held-out eval's DDTree figures (tau per budget, cost)
     progress: PhaseProgress | None = None  # the live phase's last progress report
     loss_window: int | None = None  # steps in each window of loss_trend
+    evals: tuple[EvalFigure, ...] = field(default=())  # each eval set's last eval, held_out first
 
     def target_paths(self) -> list[tuple[str, list[int]]]:
         """The distinct linear-attention paths of the hybrid target ranks, with their ranks."""
@@ -555,6 +576,7 @@ def build_status(
     error = None
     eval_tau = eval_tau_prompt = None
     tree: TreeFigures | None = None
+    evals: dict[str, EvalFigure] = {"held_out": EvalFigure("held_out", None, None, None)}
     serve: ServeFigure | None = None
     targets: dict[int, TargetPath] = {}
     progress: PhaseProgress | None = None
@@ -613,10 +635,12 @@ def build_status(
             )
         elif kind == "serve_bench":
             serve = ServeFigure.from_event(ev) or serve
-        elif kind == "eval" and ev.get("split", "held_out") == "held_out":  # not the memorisation check's
-            eval_tau = _num(ev.get("tau_mean"))
-            eval_tau_prompt = _num(ev.get("tau_prompt_mean"))
-            tree = tree_figures(ev)
+        elif kind == "eval":
+            figure = EvalFigure.from_event(ev)
+            evals[figure.set] = figure
+            if figure.set == "held_out":  # eval_tau: not the general set's nor the memorisation check's
+                eval_tau, eval_tau_prompt = figure.tau_mean, figure.tau_prompt_mean
+                tree = tree_figures(ev)
         elif kind == "target" and isinstance(ev.get("kernels"), dict):
             kernels = {str(k): str(v) for k, v in ev["kernels"].items()}
             linear = _int(ev.get("linear_layers")) or 0
@@ -723,6 +747,7 @@ def build_status(
         tau=_num(last.get("tau")) if last else None,
         eval_tau=eval_tau,
         eval_tau_prompt=eval_tau_prompt,
+        evals=tuple(f for f in evals.values() if f.tau_mean is not None),
         tokens_per_s=sum(step_median.values()) if step_median else None,
         tokens_per_s_by_role=by_role,
         eta_s=eta,

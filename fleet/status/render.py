@@ -17,6 +17,7 @@ from rich.text import Text
 
 from fleet.errors import ConfigError, FleetError
 from fleet.status.model import RunStatus, State
+from training.contract import set_label
 
 
 def watch_interval(value: bool | str | float | None) -> float | None:
@@ -156,10 +157,7 @@ def render(st: RunStatus, now: float | None = None) -> Group:
             w = st.loss_window
             trend = f"  ({st.loss_trend * 100:+.1f}% over the last {w} steps vs the {w} before)"
         info.add_row("loss", f"{_f(st.loss)}{trend}")
-        tau = f"{_f(st.tau, '.3f')}" + (f"  eval {_f(st.eval_tau, '.3f')}" if st.eval_tau else "")
-        if st.eval_tau and st.eval_tau_prompt:
-            tau += f" per round, {_f(st.eval_tau_prompt, '.3f')} per prompt"
-        info.add_row("tau", tau)
+        info.add_row("tau", f"{_f(st.tau, '.3f')}{_evals_text(st)}")
     if st.tree is not None:
         info.add_row("tree", st.tree.text())
     if st.serve is not None:
@@ -236,6 +234,23 @@ def summary_table(rows: Sequence[tuple[str, RunStatus | FleetError]]) -> Table:
         diag = st.diagnosis[0].cause if st.diagnosis else ""
         table.add_row(name, st.state, st.phase, step, _f(st.loss), _f(st.tokens_per_s, ",.0f"), eta, diag)
     return table
+
+
+def _evals_text(st: RunStatus) -> str:
+    """The eval figures after the training tau: each set's last tau per round (and per prompt),
+    named where there is more than the held-out split."""
+    if not st.evals:
+        return ""
+    if [f.set for f in st.evals] == ["held_out"]:
+        text = f"  eval {_f(st.eval_tau, '.3f')}"
+        return text + (
+            f" per round, {_f(st.eval_tau_prompt, '.3f')} per prompt" if st.eval_tau_prompt else ""
+        )
+    rounds = ", ".join(f"{_f(f.tau_mean, '.3f')} {set_label(f.set)}" for f in st.evals)
+    text = f"  eval {rounds} per round"
+    if all(f.tau_prompt_mean for f in st.evals):
+        text += f" ({', '.join(_f(f.tau_prompt_mean, '.3f') for f in st.evals)} per prompt)"
+    return text
 
 
 def render_text(st: RunStatus, width: int = 100, now: float | None = None) -> str:

@@ -132,6 +132,7 @@ def test_release_tar_ships_training_without_caches(tmp_path: Path) -> None:
         run_spec = json.loads(tar.extractfile(d.RUN_SPEC_FILE).read())  # type: ignore[union-attr]
         shipped_manifest = json.loads(tar.extractfile(d.MANIFEST_FILE).read())  # type: ignore[union-attr]
     assert "training/__init__.py" in names and "training/selftest.py" in names
+    assert "training/assets/general-prompts.jsonl" in names  # the general eval set, read on the target
     assert "remote/run.sh" in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     assert names[-1] == d.MANIFEST_FILE  # last: its presence marks a complete upload

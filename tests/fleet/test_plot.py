@@ -34,6 +34,8 @@ def events_file(tmp_path: Path) -> Path:
     events = [step_event(n, rank) for n in range(1, 51) for rank in (0, 1)]
     events.append({"v": 1, "ts": T0 + 60, "event": "eval", "rank": 0, "role": "drafter", "step": 50,
                    "tau_mean": 2.4, "tau_hist": [0, 3, 5], "tau_estimate": 2.9})  # fmt: skip
+    events.append({"v": 1, "ts": T0 + 61, "event": "eval", "rank": 0, "role": "drafter", "step": 50,
+                   "set": "general", "tau_mean": 1.7, "tau_hist": [2, 3], "tau_estimate": 2.9})  # fmt: skip
     path = tmp_path / "run" / "events.jsonl"
     path.parent.mkdir()
     path.write_text("\n".join(json.dumps(e) for e in events) + "\n")
@@ -47,7 +49,25 @@ def test_series_per_rank_drop_nan_and_keep_eval() -> None:
     assert [s.label for s in data.loss] == ["drafter 0", "drafter 1"]  # words, not rank numbers
     assert data.loss[0].steps == (1, 3)  # the NaN loss is dropped, not plotted
     assert data.tau[0].steps == (1, 2, 3)
-    assert data.eval_tau is not None and data.eval_tau.values == (2.0,)
+    assert [(e.label, e.values) for e in data.evals] == [("eval tau, held_out (verified)", (2.0,))]
+
+
+def test_each_eval_set_is_a_series_and_drawn() -> None:
+    """eval.sets: one series of points per set, held_out first whatever came first; an event from
+    before `set` with `split` alone is that split's (test_png_written_non_empty_right_size draws two)."""
+    events = [step_event(n) for n in range(1, 5)]
+    events.append({"event": "eval", "step": 2, "set": "general", "split": "general", "tau_mean": 1.5})
+    events.append({"event": "eval", "step": 2, "split": "train", "tau_mean": 3.0})
+    events.append({"event": "eval", "step": 4, "set": "held_out", "split": "held_out", "tau_mean": 2.5})
+    events.append({"event": "eval", "step": 4, "set": "general", "split": "general", "tau_mean": 1.6})
+    events.append({"event": "eval", "step": 4, "set": "/d/mine.jsonl", "tau_mean": 1.9})
+    data = series_from_events(events)
+    assert [(e.label, e.steps, e.values) for e in data.evals] == [
+        ("eval tau, held_out (verified)", (4,), (2.5,)),
+        ("eval tau, general (verified)", (2, 4), (1.5, 1.6)),
+        ("eval tau, train (verified)", (2,), (3.0,)),
+        ("eval tau, mine (verified)", (4,), (1.9,)),
+    ]
 
 
 def test_png_written_non_empty_right_size(tmp_path: Path) -> None:

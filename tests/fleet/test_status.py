@@ -160,6 +160,40 @@ def test_transitions_through_a_whole_run() -> None:
     assert (ended.eval_tau, ended.eval_tau_prompt) == (1.5, 1.25)
 
 
+def test_each_eval_set_last_tau_in_text_and_json() -> None:
+    """Two evals of two sets (eval.sets), after events from before `set` (split alone, neither):
+    each set's last figure, the held-out one as eval_tau; the memorisation check's is named."""
+    fig = {"tau_hist": [0, 1], "tau_estimate": 1.7}
+    run = [
+        *START,
+        step(1, 1),
+        ev(2, "eval", step=1, tau_mean=1.2, **fig),  # no set, no split: held_out
+        ev(3, "eval", step=1, split="train", tau_mean=3.1, **fig),
+        step(4, 2),
+        ev(5, "eval", step=2, set="held_out", split="held_out", tau_mean=2.8, tau_prompt_mean=2.9, **fig),
+        ev(6, "eval", step=2, set="general", split="general", tau_mean=1.68, tau_prompt_mean=1.7, **fig),
+    ]
+    st = status(run)
+    assert [(f.set, f.step, f.tau_mean) for f in st.evals] == [
+        ("held_out", 2, 2.8),
+        ("train", 1, 3.1),
+        ("general", 2, 1.68),
+    ]
+    assert (st.eval_tau, st.eval_tau_prompt) == (2.8, 2.9)
+    text = render_text(st, now=T0 + 7, width=200)
+    assert "eval 2.800 held_out, 3.100 train, 1.680 general per round" in text, text
+    data = json.loads(json.dumps(st.to_json(), allow_nan=False))
+    assert [(e["set"], e["tau_mean"]) for e in data["evals"]] == [
+        ("held_out", 2.8),
+        ("train", 3.1),
+        ("general", 1.68),
+    ]
+    assert data["eval_tau"] == 2.8
+    only_general = status([*START, step(1, 1), run[-1]])  # eval.sets = general: no held-out figure
+    assert only_general.eval_tau is None and [f.set for f in only_general.evals] == ["general"]
+    assert "eval 1.680 general per round (1.700 per prompt)" in render_text(only_general, now=T0 + 7)
+
+
 def test_a_serve_bench_after_the_run_is_a_line_and_keeps_it_finished() -> None:
     run = [
         *START,

@@ -58,6 +58,17 @@ def test_missing_and_mistyped_fields_are_named() -> None:
     assert validate_event({**base, "v": 2, **GOOD_STEP}) != []
     assert validate_event([1, 2]) != []
     assert validate_line("{not json") != []
+    evaluation = {
+        **base,
+        "event": "eval",
+        "step": 1,
+        "tau_mean": 1.5,
+        "tau_hist": [1, 1],
+        "tau_estimate": 1.4,
+    }
+    assert validate_event(evaluation) == []  # written before `set`: optional fields may be absent
+    assert validate_event({**evaluation, "set": "general", "split": "general"}) == []
+    assert validate_event({**evaluation, "set": 3}) == ["eval.set: expected str, got 3"]
 
 
 def test_buckets_event_checks_each_bucket() -> None:

@@ -13,7 +13,7 @@ tokenized set with the bucket planner (``training.data.buckets``) and assembles 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,11 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_promp
     )
 
 
+def _plain_line(message: dict[str, str]) -> str:
+    """A message as a template-less tokenizer is given it: ``role: content`` and a newline."""
+    return f"{message.get('role', '')}: {message.get('content', '')}\n"
+
+
 def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
     """(ids, mask) of a conversation; mask 1 on the tokens of assistant turns (with their end marker).
 
@@ -104,7 +109,7 @@ def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[l
         return ids, mask
     ids, mask = [], []
     for message in messages:
-        piece = _encode(tokenizer, f"{message.get('role', '')}: {message.get('content', '')}\n")
+        piece = _encode(tokenizer, _plain_line(message))
         assistant = message.get("role") == "assistant"
         if assistant and tokenizer.eos_token_id is not None:
             piece = [*piece, tokenizer.eos_token_id]
@@ -157,6 +162,29 @@ def tokenize_record(
     return {"input_ids": ids, "loss_mask": mask, "length": len(ids), "format": fmt, "dropped": dropped}
 
 
+def prompt_ids(
+    record: dict[str, Any], fmt: str, tokenizer: Any, reasoning: str, marks: tuple[str, str] | None
+) -> list[int]:
+    """The tokens the target is given before it first answers in a record of format ``fmt``: the
+    turns before the first assistant turn (all of them where none is) rendered with the chat
+    template and its generation prompt (``role: content`` lines without a template), a
+    completion's prompt, a pre-formatted text through its first assistant header. Where a record
+    has an assistant turn these are the tokens ``tokenize_record`` leaves out of the loss before
+    it, the held-out split's prompts (``TrainData.eval_prompts``)."""
+    if fmt == "completion":
+        return _encode(tokenizer, record["prompt"])
+    if fmt == "text":
+        text = record["text"]
+        spans = text_spans(text, *marks) if marks is not None else []
+        return _encode(tokenizer, text[: spans[0][0]] if spans else text)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    messages = to_messages(record, fmt, reasoning, template)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    if template:
+        return _encode(tokenizer, _render(tokenizer, messages[:first], True))
+    return _encode(tokenizer, "".join(_plain_line(m) for m in messages[:first]))
+
+
 def data_files(data: DataSection, cache_dir: Path) -> tuple[str, list[str]]:
     """(reader, files) of the configured data, or the default corpus. The reader is a
     ``datasets`` builder name ("json", "parquet") or "disk" (a ``save_to_disk`` folder)."""
@@ -204,7 +232,7 @@ def content_key(files: Sequence[str], *parts: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _read(reader: str, files: list[str], data_cache: Path, where: str):  # -> Dataset
+def _read(reader: str, files: list[str], data_cache: Path, where: str, key: str = "data.path"):  # -> Dataset
     import datasets
 
     datasets.disable_progress_bars()
@@ -218,7 +246,18 @@ def _read(reader: str, files: list[str], data_cache: Path, where: str):  # -> Da
             return loaded
         return datasets.load_dataset(reader, data_files=files, split="train", cache_dir=str(data_cache))
     except (ValueError, OSError, TypeError) as exc:
-        raise ConfigError(f"data.path {where}: cannot read ({str(exc).splitlines()[0]:.160})") from None
+        raise ConfigError(f"{key} {where}: cannot read ({str(exc).splitlines()[0]:.160})") from None
+
+
+def _marks(tokenizer: Any) -> tuple[str, str] | None:
+    """The chat template's (assistant header, end of turn), or None without a usable template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
+        return None
+    try:
+        return template_marks(tokenizer)
+    except Exception:  # a template that cannot render the probe: only text records need it
+        return None
 
 
 def tokenize_all(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache: Path):  # -> (Dataset, str)
@@ -230,13 +269,7 @@ def tokenize_all(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache:
     reader, files = data_files(data, cache_dir)
     where = data.path or files[0]
     raw = _read(reader, files, data_cache, where)
-    template = getattr(tokenizer, "chat_template", None)
-    marks = None
-    if template and isinstance(template, str):
-        try:
-            marks = template_marks(tokenizer)
-        except Exception:  # a template that cannot render the probe: only text records need it
-            marks = None
+    marks = _marks(tokenizer)
     if len(raw) and record_format(raw[0]) == "text" and marks is None:
         raise ConfigError(
             f"data.path {where}: pre-formatted text records need the target's chat template to find "
@@ -278,6 +311,44 @@ def tokenize_all(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache:
     return tokenized, first
 
 
+GENERAL_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "general-prompts.jsonl"
+
+
+def eval_set_file(name: str) -> Path:
+    """The file of an ``eval.sets`` entry that is not a split of the run's data: ``general``, the
+    shipped set (``training/assets/README.md``), else the path it is."""
+    return GENERAL_PROMPTS if name == "general" else Path(name).expanduser()
+
+
+def load_prompt_set(name: str, tokenizer: Any, reasoning: str, data_cache: Path) -> list[list[int]]:
+    """The prompts of the eval set ``name`` (``eval_set_file``), whole and in file order: each
+    record's ``prompt_ids`` (a record of any format of ``training.data.formats``; one without a
+    single prompt token is left out). Refused (``ConfigError``, one line): a missing file, one that
+    cannot be read, a record of no known format (its file, line and keys)."""
+    path = eval_set_file(name)
+    if not path.is_file():
+        raise ConfigError(
+            f"eval.sets: {path} is not a file; give a .jsonl/.json/.parquet file of records, or drop it "
+            "from eval.sets"
+        )
+    raw = _read(
+        "parquet" if path.suffix == ".parquet" else "json", [str(path)], data_cache, str(path), "eval.sets"
+    )
+    marks = _marks(tokenizer)
+    prompts: list[list[int]] = []
+    for index, record in enumerate(raw):
+        fmt = record_format(record)
+        if fmt is None:
+            raise ConfigError(
+                f"eval.sets {locate([str(path)], index)}: a record of no known format (keys found: "
+                f"{', '.join(keys_found(record)) or 'none'}); expected one of {', '.join(FORMATS)}"
+            )
+        ids = prompt_ids(record, fmt, tokenizer, reasoning, marks)
+        if ids:
+            prompts.append(ids)
+    return prompts
+
+
 def load_tokenized(data: DataSection, tokenizer: Any, cache_dir: Path, data_cache: Path):  # -> Dataset
     """The trainable tokenized records (columns input_ids, loss_mask, length), cached in ``data_cache``."""
     tokenized, _fmt = tokenize_all(data, tokenizer, cache_dir, data_cache)
@@ -289,7 +360,14 @@ def load_tokenized(data: DataSection, tokenizer: Any, cache_dir: Path, data_cach
 class TrainData:
     """Held-out eval prompts + length-bucketed, shuffled, resumable training batches."""
 
-    def __init__(self, tokenized: Any, data: DataSection, eval_rows: Any = None) -> None:
+    def __init__(
+        self,
+        tokenized: Any,
+        data: DataSection,
+        eval_rows: Any = None,
+        sets: Mapping[str, list[list[int]]] | None = None,
+    ) -> None:
+        self.sets = dict(sets or {})  # eval sets other than the run's splits: name -> whole prompts
         if eval_rows is not None:  # data.eval_path: the held-out records are another file's
             self.eval_rows, self.rows = eval_rows, tokenized
         else:
@@ -327,9 +405,15 @@ class TrainData:
 
     def eval_prompts(self, prompt_tokens: int, count: int, split: str = "held_out") -> list[list[int]]:
         """Up to ``count`` held-out prompts (``split`` "train": of the training rows, spread over
-        them): the last ``prompt_tokens`` tokens before the first labelled one (at least one token),
-        so a long prompt keeps its end (the chat turn that asks) instead of being cut after its
-        first message."""
+        them; another eval set's name: its first ``count``, ``sets``): the last ``prompt_tokens``
+        tokens before the first labelled one (at least one token), so a long prompt keeps its end
+        (the chat turn that asks) instead of being cut after its first message."""
+        if split not in ("held_out", "train"):
+            if split not in self.sets:
+                raise ValueError(
+                    f"eval set {split!r} was not loaded (loaded: {', '.join(self.sets) or 'none'})"
+                )
+            return [ids[-max(1, prompt_tokens) :] for ids in self.sets[split][:count]]
         rows = self.eval_rows
         if split == "train":
             n, k = len(self.rows), min(count, len(self.rows))

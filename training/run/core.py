@@ -38,7 +38,7 @@ from training.config import ConfigError, RunConfig, config_to_dict
 from training.contract import DATA_CACHE_ENV
 from training.data.buckets import Position, format_bucket_table
 from training.data.corpus import default_cache_dir
-from training.data.dataset import TrainData, load_tokenized
+from training.data.dataset import TrainData, load_prompt_set, load_tokenized
 from training.events import EventWriter
 from training.model.drafter import (
     DFlashDrafter,
@@ -434,14 +434,22 @@ def load_train_data(config: RunConfig, tokenizer: Any, default_cache: Path, echo
     if data.regenerate and not data.path:
         data = replace(data, path=str(regenerate_data(config, tokenizer, echo)))
     caches = default_cache_dir(config.model.cache_dir), data_cache_dir(config, default_cache)
+    # the eval sets that are not splits of this data (general, files), read only where a run evaluates
+    others = [s for s in config.eval.active_sets if s not in ("held_out", "train")]
+    others = others if config.eval.num_prompts > 0 else []
     # One unit a file: datasets tokenizes (or finds its cached copy) in one call; the events say it lives.
-    with Progress("load_data", "tokenizing the data", 2 if data.eval_path else 1, "data sets") as progress:
+    units = 1 + bool(data.eval_path) + len(others)
+    with Progress("load_data", "tokenizing the data", units, "data sets") as progress:
         tokenized = load_tokenized(data, tokenizer, *caches)
         held_out = None
         if data.eval_path:
             progress.advance()
             held_out = load_tokenized(replace(data, path=data.eval_path), tokenizer, *caches)
-    return TrainData(tokenized, data, held_out)
+        sets = {}
+        for name in others:
+            progress.advance()
+            sets[name] = load_prompt_set(name, tokenizer, data.reasoning, caches[1])
+    return TrainData(tokenized, data, held_out, sets)
 
 
 def emit_run_start(

@@ -26,7 +26,7 @@ import torch
 
 from training.compile.cache import start_workers
 from training.config import ConfigError, RunConfig, load_config, with_loaded_shape, write_config
-from training.contract import CHECKPOINT_DIR
+from training.contract import CHECKPOINT_DIR, set_label
 from training.data.buckets import Position
 from training.data.dataset import Batch
 from training.events import EventWriter, print0
@@ -240,20 +240,26 @@ class Trainer:
         self.checkpoints.report(wait=wait)
 
     def evaluate(self, export: Path | None = None) -> None:
-        """Acceptance on the eval split: the ``eval`` event and its line; of an exported folder
-        (``export``: not this run's checkpoint, whose step it may not be) the line alone, named
-        after the folder, and nothing in the run's events."""
-        cfg = self.config.eval
-        prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts, cfg.split)
-        if not prompts:
-            print0(f"eval: no {cfg.split} prompts, skipped")
-            return
-        own = export is None
-        if own:
+        """Acceptance on each eval set (``eval.sets``, in order): per set, the ``eval`` event and its
+        line; of an exported folder (``export``: not this run's checkpoint, whose step it may not be)
+        the lines alone, named after the folder, and nothing in the run's events."""
+        if export is None:
             self.phase = "eval"
             self.events.phase("eval")
+        for name in self.config.eval.active_sets:
+            self.evaluate_set(name, export)
+
+    def evaluate_set(self, name: str, export: Path | None = None) -> None:
+        """Acceptance on the eval set ``name``: its ``eval`` event (``set``) and its line."""
+        cfg = self.config.eval
+        prompts = self.data.eval_prompts(cfg.prompt_tokens, cfg.num_prompts, name)
+        if not prompts:
+            print0(f"eval: no {name} prompts, skipped")
+            return
+        own = export is None
         t0 = time.monotonic()
-        what, total = f"evaluating acceptance ({len(prompts)} prompts)", len(prompts) * cfg.max_new_tokens
+        what = f"evaluating acceptance ({len(prompts)} {name} prompts)"
+        total = len(prompts) * cfg.max_new_tokens
         with self.signals.anywhere(), Progress("eval", what, total, "tokens") as p:
             result = evaluate_acceptance(
                 self.target,
@@ -276,21 +282,23 @@ class Trainer:
             self.events.emit(
                 "eval",
                 step=self.step,
-                split=cfg.split,
+                set=name,
+                split=name,  # the older field: readers without `set` take a missing one as held_out
                 tau_mean=result.tau_mean,
                 tau_hist=list(result.hist),
                 tau_estimate=self.last_tau,
                 tau_prompt_mean=result.tau_prompt_mean,
                 **trees,
             )
-            logged = {"eval/tau_mean": result.tau_mean, "eval/tau_prompt_mean": result.tau_prompt_mean}
-            logged.update({f"eval/tree_tau_{t.budget}": t.tau_mean for t in result.trees})
+            key = "eval" if name == "held_out" else f"eval_{set_label(name)}"
+            logged = {f"{key}/tau_mean": result.tau_mean, f"{key}/tau_prompt_mean": result.tau_prompt_mean}
+            logged.update({f"{key}/tree_tau_{t.budget}": t.tau_mean for t in result.trees})
             if cost is not None and (best := cost.best(taus)) is not None:
-                logged.update({"eval/tree_best_budget": best[0], "eval/tree_best_speedup": best[1]})
+                logged.update({f"{key}/tree_best_budget": best[0], f"{key}/tree_best_speedup": best[1]})
             self.logger.log({**logged, "eval/tau_estimate": self.last_tau}, self.step)
             label, estimate = f"step {self.step}", f" (training estimate {self.last_tau:.3f})"
         print0(
-            f"eval {label} ({cfg.split}): tau_mean={result.tau_mean:.3f} per round, "
+            f"eval {label} ({name}): tau_mean={result.tau_mean:.3f} per round, "
             f"{result.tau_prompt_mean:.3f} per prompt{estimate} over {result.rounds} blocks of "
             f"{result.prompts} prompts; hist={list(result.hist)} ({time.monotonic() - t0:.1f}s)"
             + (f"; {tree_summary(result)} ({cfg.tree_method})" if result.trees else "")

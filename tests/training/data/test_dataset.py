@@ -11,12 +11,17 @@ from training.config import ConfigError, DataSection
 from training.data.buckets import Position
 from training.data.corpus import build_default_corpus, chunk_file
 from training.data.dataset import (
+    GENERAL_PROMPTS,
     TrainData,
+    load_prompt_set,
     load_tokenized,
+    prompt_ids,
+    tokenize_all,
     tokenize_chat,
     tokenize_completion,
     tokenize_record,
 )
+from training.data.formats import record_format, template_marks
 from training.model.tinymodel import train_tokenizer
 
 TEXTS = [
@@ -46,15 +51,17 @@ def test_completion_mask_covers_exactly_the_completion_and_eos(tokenizer) -> Non
     assert masked_text(tokenizer, ids, mask) == "    return a + b\n<|endoftext|>"
 
 
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "add two numbers"},
+    {"role": "assistant", "content": "def add(a, b):"},
+    {"role": "user", "content": "and print"},
+    {"role": "assistant", "content": "print(i)"},
+]
+
+
 def test_chat_mask_covers_only_assistant_turns(tokenizer) -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "add two numbers"},
-        {"role": "assistant", "content": "def add(a, b):"},
-        {"role": "user", "content": "and print"},
-        {"role": "assistant", "content": "print(i)"},
-    ]
-    ids, mask = tokenize_chat(tokenizer, messages)
+    ids, mask = tokenize_chat(tokenizer, CHAT)
     assert len(ids) == len(mask)
     labelled = masked_text(tokenizer, ids, mask)
     assert labelled == "def add(a, b):<|im_end|>\nprint(i)<|im_end|>\n"
@@ -146,3 +153,71 @@ def test_default_corpus_is_stdlib_completions(tmp_path: Path) -> None:
     assert build_default_corpus(tmp_path, max_files=5, chunk_lines=10, prompt_lines=3) == path  # cached
     chunks = chunk_file("a\nb\nc\nd\ne\n", chunk_lines=3, prompt_lines=1)
     assert chunks == [{"prompt": "a\n", "completion": "b\nc\n"}, {"prompt": "d\n", "completion": "e\n"}]
+
+
+CATEGORIES = ("chat", "explanation", "advice", "writing", "math", "reasoning", "code")
+
+
+def test_the_general_set_is_shipped_balanced_and_read_by_the_loader(tokenizer, tmp_path: Path) -> None:
+    """training/assets/general-prompts.jsonl: >= 96 distinct prompts, >= 10 of each category,
+    round-robin (any first N is spread); the real loader reads it as messages records (with no
+    reply to train on), and its eval prompts are the user turn with the generation prompt."""
+    records = [json.loads(line) for line in GENERAL_PROMPTS.read_text(encoding="utf-8").splitlines()]
+    assert len(records) >= 96
+    counts = {c: sum(r["category"] == c for r in records) for c in CATEGORIES}
+    assert set(r["category"] for r in records) == set(CATEGORIES) and min(counts.values()) >= 10, counts
+    assert [r["category"] for r in records[:7]] == list(CATEGORIES)
+    texts = [" ".join(r["messages"][0]["content"].lower().split()) for r in records]
+    assert len(set(texts)) == len(texts) and len({r["id"] for r in records}) == len(records)
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in records)
+
+    tokenized, fmt = tokenize_all(
+        DataSection(path=str(GENERAL_PROMPTS)), tokenizer, tmp_path, tmp_path / "dc"
+    )
+    assert fmt == "messages" and len(tokenized) == len(records)
+    assert set(tokenized["dropped"]) == {"no assistant reply"}  # an eval set, nothing to train on
+    prompts = load_prompt_set("general", tokenizer, "keep", tmp_path / "dc")
+    assert len(prompts) == len(records)
+    first = tokenizer.decode(prompts[0])
+    assert first.endswith("<|im_start|>assistant\n") and records[0]["messages"][0]["content"] in first
+    _write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"x{i} = ", "completion": f"{i}\n"} for i in range(6)])
+    section = DataSection(path=str(tmp_path / "t.jsonl"), max_length=64, token_budget=256, eval_prompts=2)
+    data = TrainData(
+        load_tokenized(section, tokenizer, tmp_path, tmp_path / "dc"), section, sets={"general": prompts}
+    )
+    assert data.eval_prompts(8, 3, "general") == [p[-8:] for p in prompts[:3]]
+    with pytest.raises(ValueError, match="'other' was not loaded"):
+        data.eval_prompts(8, 3, "other")
+
+
+def test_a_set_prompt_is_what_precedes_the_first_reply(tokenizer, tmp_path: Path) -> None:
+    """prompt_ids, of each format, against the held-out rule: the tokens before the first one that
+    tokenize_record labels (its spans found another way: by rendering up to and through a reply)."""
+    records = [
+        {"messages": CHAT},
+        {"conversations": [{"from": "human", "value": "say hi"}, {"from": "gpt", "value": "hi"}]},
+        {"prompt": "def add(a, b):\n", "completion": "    return a + b\n"},
+        {"text": tokenizer.apply_chat_template(CHAT, tokenize=False)},
+    ]
+    marks = template_marks(tokenizer)
+    for record in records:
+        row = tokenize_record(record, tokenizer, 512, marks=marks)
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert prompt_ids(record, record_format(record), tokenizer, "keep", marks) == ids[: mask.index(1)], (
+            record
+        )
+    plain = train_tokenizer(TEXTS, vocab_size=300)
+    plain.chat_template = None  # role: content lines
+    row = tokenize_record(records[0], plain, 512)
+    assert (
+        prompt_ids(records[0], "messages", plain, "keep", None)
+        == row["input_ids"][: row["loss_mask"].index(1)]
+    )
+    _write_jsonl(tmp_path / "mine.jsonl", [*records[:1], {"messages": CHAT[:2]}])
+    mine = load_prompt_set(str(tmp_path / "mine.jsonl"), tokenizer, "keep", tmp_path / "dc")
+    assert mine[0] == mine[1]  # a record without its replies has the same prompt
+    with pytest.raises(ConfigError, match=r"eval.sets: .*absent.jsonl is not a file"):
+        load_prompt_set(str(tmp_path / "absent.jsonl"), tokenizer, "keep", tmp_path / "dc")
+    _write_jsonl(tmp_path / "odd.jsonl", [{"prompt": "a", "completion": "b"}, {"question": "hello"}])
+    with pytest.raises(ConfigError, match=r"eval.sets .*odd.jsonl line 2: a record of no known format"):
+        load_prompt_set(str(tmp_path / "odd.jsonl"), tokenizer, "keep", tmp_path / "dc")

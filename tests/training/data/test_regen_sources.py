@@ -32,9 +32,20 @@ def test_packages_add_their_functions_in_four_kinds_of_request() -> None:
     assert any(p.startswith("Write pytest tests") for p in extra)
 
 
-def test_bad_sources_and_eval_split_are_one_config_error() -> None:
+def test_bad_sources_eval_split_and_eval_sets_are_one_config_error() -> None:
     with pytest.raises(ConfigError, match=r"data.regen_sources: 'stdlib,web'"):
         load_config("smol-cpu", ["--data.regen_sources=stdlib,web"])
     with pytest.raises(ConfigError, match=r"eval.split: 'test'"):
         load_config("smol-cpu", ["--eval.split=test"])
+    for sets, cause in [
+        ("held_out,test", r"eval.sets: 'test' is neither one of held_out, train, general nor a path"),
+        ("", r"eval.sets: empty"),
+        ("general,held_out,general", r"eval.sets: general, held_out, general names a set twice"),
+    ]:
+        with pytest.raises(ConfigError, match=cause):
+            load_config("smol-cpu", [f"--eval.sets={sets}"])
+    assert load_config("smol-cpu").eval.active_sets == ("held_out", "general")
+    mine = load_config("smol-cpu", ["--eval.sets=general,/d/mine.jsonl"]).eval
+    assert mine.active_sets == ("general", "/d/mine.jsonl")
+    assert load_config("smol-cpu", ["--eval.split=train"]).eval.active_sets == ("train",)  # the older form
     assert load_config("smol-h200", ["--data.regen_sources=stdlib,packages"]).data.regen_sources

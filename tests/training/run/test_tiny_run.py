@@ -66,7 +66,9 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     assert "tau_mean=" in evaluate.stdout
     evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
-    assert len(evals) == 2  # the end of training + the eval command
+    # the end of training + the eval command, each on both eval.sets (the held-out split, general)
+    assert [(e["set"], e["split"]) for e in evals] == [("held_out", "held_out"), ("general", "general")] * 2
+    assert f"eval step {steps[-1]['step']} (general): tau_mean=" in train.stdout
     for e in evals:
         assert e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0
         assert e["step"] == steps[-1]["step"]
@@ -103,7 +105,7 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     # (the folder is not the run's checkpoint: `fab status` must not show it as the run's eval).
     line = next(ln for ln in from_export.stdout.splitlines() if ln.startswith("eval "))
     assert line.startswith(f"eval export {export} (held_out): tau_mean="), line
-    assert f"hist={evals[1]['tau_hist']}" in line, (line, evals[1])
+    assert f"hist={evals[2]['tau_hist']}" in line, (line, evals[2])
     # no cost measured (the CPU's default): the tree table alone
     table = from_export.stdout.splitlines()
     header = next(
@@ -171,6 +173,7 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
     )
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     evals = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "eval"]
-    assert len(evals) == 2 and all(e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0 for e in evals)
+    assert [e["set"] for e in evals] == ["held_out", "general"] * 2
+    assert all(e["tau_mean"] >= 1.0 and sum(e["tau_hist"]) > 0 for e in evals)
     # DDTree on the hybrid: replayed (its Gated DeltaNet state cannot branch into a tree)
     assert all([t["budget"] for t in e["tree"]] == [16, 64, 256] for e in evals), evals
