@@ -38,7 +38,13 @@ TRAINING_LAYERS: tuple[tuple[str, ...], ...] = (
     # kernel_warmup: the target cut to one layer of each kind, its kernels warmed in a child process
     ("training.run.checkpoint", "training.run.pipeline", "training.run.eval", "training.run.kernel_warmup"),
     ("training.run.core",),  # what every driver runs
-    ("training.run.warm", "training.run.resume_check"),  # what prepares or checks a run
+    # what prepares or checks a run, or prices its drafter's DDTree budgets
+    (
+        "training.run.warm",
+        "training.run.resume_check",
+        "training.run.tree_cost",
+        "training.run.tree_calibration",
+    ),
     ("training.export",),
     # the drivers (serve_bench: a trained run's drafter in llama.cpp)
     ("training.run.single", "training.run.distributed", "training.run.plan", "training.engines.serve_bench"),

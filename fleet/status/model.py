@@ -357,7 +357,8 @@ class RunStatus:
         data = asdict(self.tree)
         for key in ("taus", "sizes", "speedups"):
             data[key] = {str(b): v for b, v in sorted(data[key].items())}
-        return {**data, "shown_budget": self.tree.shown_budget, "text": self.tree.text()}
+        shown = {"reference_budget": self.tree.reference_budget, "shown_budget": self.tree.shown_budget}
+        return {**data, **shown, "text": self.tree.text()}
 
     @property
     def exit_code(self) -> int:

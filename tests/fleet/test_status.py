@@ -234,7 +234,7 @@ TREE_EVAL = {
     "tree_cost": {
         "device": "NVIDIA H100 80GB HBM3", "context": 320, "t_step_s": 0.012, "t_draft_s": 0.004,
         "t_verify_s": {"0": 0.013, "16": 0.013, "64": 0.014, "128": 0.016},
-        "speedup": {"0": 1.76, "16": 2.19, "64": 2.36, "128": 2.28}, "best_budget": 64, "best_speedup": 2.36,
+        "speedup": {"0": 1.76, "16": 2.19, "64": 2.36, "128": 2.4}, "best_budget": 128, "best_speedup": 2.4,
         "model": "modelled",
     },
 }  # fmt: skip
@@ -243,12 +243,16 @@ TREE_EVAL = {
 def test_the_last_evals_tree_figures_are_one_line_and_in_the_json() -> None:
     run = [*START, ev(1, "phase", phase="train"), step(2, 3), ev(3, "eval", **TREE_EVAL)]
     st = status(run, RunFacts(alive=True, now=T0 + 4))
-    line = "tree tau 3.55 @64, 1.42x chain; best budget 64: ~2.36x speedup modelled (NVIDIA H100 80GB HBM3)"
+    line = "tree tau 3.55 @64, 1.42x chain; best budget 128: ~2.40x speedup modelled (NVIDIA H100 80GB HBM3)"
     assert st.tree is not None and st.tree.text() == line
     assert line in render_text(st, now=T0 + 4, width=200)
     data = json.loads(json.dumps(st.to_json(), allow_nan=False))
     assert data["tree"]["taus"] == {"0": 2.5, "16": 3.1, "64": 3.55, "128": 3.8}
-    assert (data["tree"]["best_budget"], data["tree"]["text"]) == (64, line)
+    assert (data["tree"]["best_budget"], data["tree"]["shown_budget"], data["tree"]["text"]) == (
+        128,
+        128,
+        line,
+    )
     # no cost measured (a CPU eval): the tau at 64, no speedup; a later eval without a tree clears it
     plain = {k: v for k, v in TREE_EVAL.items() if k != "tree_cost"}
     st = status([*run[:-1], ev(3, "eval", **plain)], RunFacts(alive=True, now=T0 + 4))

@@ -84,8 +84,14 @@ def test_an_eval_events_tree_figures_are_read_and_checked() -> None:
     figures = tree_figures(ev)
     assert figures is not None and figures.taus == {0: 2.0, 16: 2.5, 128: 3.0}
     assert figures.speedups == {0: 1.2, 16: 1.5}  # entries that are not a budget and a number dropped
-    assert (figures.shown_budget, figures.best_budget, figures.context) == (16, 16, 96)
+    assert (figures.reference_budget, figures.shown_budget, figures.best_budget) == (16, 16, 16)
+    assert figures.context == 96
     assert figures.text() == "tree tau 2.50 @16, 1.25x chain; best budget 16: ~1.50x speedup modelled (H200)"
+    best_big = tree_figures({**ev, "tree_cost": {**cost, "best_budget": 128, "best_speedup": 1.7}})
+    assert best_big is not None and (best_big.reference_budget, best_big.shown_budget) == (16, 128)
+    assert (
+        best_big.text() == "tree tau 2.50 @16, 1.25x chain; best budget 128: ~1.70x speedup modelled (H200)"
+    )
     # no cost: the largest budget up to 64 is shown; no tree: no figures
     plain = tree_figures({**ev, "tree_cost": None})
     assert plain is not None and plain.text() == "tree tau 2.50 @16, 1.25x chain"
