@@ -112,17 +112,17 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
     [ "${TREE:-1}" = 1 ] && tree_job
 }
 
-tree_job() {  # DDTree on the recipe's drafter: tree verification against replay, the levers, the costs
+tree_job() {  # DDTree on the recipe's drafter: the calibration lever, the export, the 27B's cost, verify vs replay
     stamp() { echo "[tree $(date -u +%H:%M:%S)] $*"; }
-    python3 -m training eval --run-dir "$R/run" --eval.sets=held_out --eval.num_prompts=64 \
-        --eval.tree_method=verify --eval.tree_budgets=16,64,256
-    stamp "eval verify exit=$?"
     python3 benchmarks/tree_bench.py levers calibrate --run "$R/run" --eval.num_prompts=64 --save \
         --out "$R/calibrate.json"
     stamp "calibrate exit=$?"
     python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
     python3 benchmarks/tree_bench.py cost --config qwen3.6-27b-random --context 1024,4096 --out "$R/cost-27b.json"
     stamp "cost 27b exit=$?"
+    python3 -m training eval --run-dir "$R/run" --eval.sets=held_out --eval.num_prompts=64 \
+        --eval.tree_method=verify --eval.tree_budgets=16,64,256
+    stamp "eval verify exit=$?"
 }
 
 recipe() {
