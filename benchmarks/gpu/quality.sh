@@ -107,9 +107,9 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
     python3 -m training train --config smol-h200 --run-dir "$R/run"; stamp "train exit=$?"
     python3 -m training eval --run-dir "$R/run" --eval.num_prompts=64 --eval.tree_budgets=16,32,64,128,256,512
     stamp "eval held_out + general exit=$?"
+    [ "${TREE:-1}" = 1 ] && tree_job
     python3 -m training eval --run-dir "$R/run" --eval.sets=train --eval.num_prompts=32
     stamp "eval train exit=$?"
-    [ "${TREE:-1}" = 1 ] && tree_job
 }
 
 tree_job() {  # DDTree on the recipe's drafter: the calibration lever, the export, the 27B's cost, verify vs replay
