@@ -55,9 +55,11 @@ OVERRIDES = [
     "--train.torch_threads=1",
 ]
 
-# DDTree budgets the eval's figures are checked at (0 = the chain as a tree): replay against
-# tree verification through the KV cache (training/run/eval.py).
-TREE_BUDGETS = (0, 16, 64)
+# DDTree on the real target (training/run/eval.py): the chain as a tree (budget 0) replayed, and a
+# tree of 16 replayed and verified through the KV cache. Verification is a decode per budget, each
+# dearer than the chain's (a budget of 64 cost three chains on this 2-core VM); tests/training/run/
+# test_eval.py checks 16/64/256 on the tiny target.
+TREE_BUDGET = 16
 
 pytestmark = pytest.mark.slow
 
@@ -104,16 +106,16 @@ def test_z_labs_own_loop_accepts_what_the_runs_eval_accepts(smol_run: Path, tmp_
         for name, tensor in checkpoint.items():  # the export holds the checkpoint's weights, exactly
             assert torch.equal(exported[name], tensor), name
         args = (trainer.target, trainer.drafter, prompts, trainer.layer_ids, cfg.max_new_tokens)
-        ours = evaluate_acceptance(*args, eos_token_id=eos, budgets=TREE_BUDGETS)
-        verified = evaluate_acceptance(*args, eos_token_id=eos, budgets=TREE_BUDGETS, tree_method="verify")
+        ours = evaluate_acceptance(*args, eos_token_id=eos, budgets=(0, TREE_BUDGET))
+        verified = evaluate_acceptance(*args, eos_token_id=eos, budgets=(TREE_BUDGET,), tree_method="verify")
     finally:
         trainer.close()
-    # DDTree on the real target: the chain (budget 0) replayed and verified as a tree is the chain
-    # exactly (tokens and taus); replay and tree verification agree at every budget.
+    # The chain replayed as a tree is the chain exactly (tokens and taus); replay and tree
+    # verification agree; the chain's own figures are the same with or without trees.
+    chain, tree = ours.trees
+    assert (chain.taus, chain.generated) == (ours.taus, ours.generated)
+    assert verified.trees == (tree,), (tree.taus, verified.trees[0].taus)
     assert dataclasses.replace(verified, trees=()) == dataclasses.replace(ours, trees=())
-    assert ours.trees == verified.trees, [(t.budget, t.taus) for t in (*ours.trees, *verified.trees)]
-    assert (ours.trees[0].taus, ours.trees[0].generated) == (ours.taus, ours.generated)
-    assert ours.trees[-1].tau_mean >= ours.tau_mean
     kept = [lengths for lengths in theirs if lengths]
     assert len(kept) == len(ours.taus) == ours.prompts, (theirs, ours)
     for fleet_rounds, zlab_rounds in zip(ours.taus, kept, strict=True):
