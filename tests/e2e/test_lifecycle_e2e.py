@@ -34,7 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import statuspoll
 import testkit
+
+from fleet.inventory import STALL_WINDOW_S
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -189,10 +192,26 @@ def torch_fleet(shared_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
     shared_fleet.fab("stop", "--force", timeout=120)
 
 
-def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None:
+def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet, tmp_path: Path) -> None:
+    """Beside every step, from the first launch to the last run's end, a second process reads
+    `fab status --json` as fast as it answers and samples the truth around each reading
+    (tests/statuspoll.py): no reading may name a state the run was not in."""
     fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
     fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
     ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
+    runs = hosts.ct_path(f"{workdir}/runs")
+    with statuspoll.polling(fleet.config, runs, tmp_path / "poll.jsonl") as polled:
+        lifecycle(fleet)
+    readings = statuspoll.read_lines(polled)
+    assert not statuspoll.violations(readings, STALL_WINDOW_S), statuspoll.violations(
+        readings, STALL_WINDOW_S
+    )[:5]
+    seen = {r["reading"]["state"] for r in readings}
+    assert {"starting", "training", "stopped", "failed", "finished"} <= seen, seen
+
+
+def lifecycle(fleet: RemoteFleet) -> None:
+    hosts, workdir = fleet.hosts, fleet.workdir
     run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
     run_dir = f"{workdir}/runs/{run_id}"
 
