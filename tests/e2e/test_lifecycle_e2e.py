@@ -40,7 +40,7 @@ import testkit
 from fleet.inventory import STALL_WINDOW_S
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from testkit import RemoteFleet, TestHost
 
@@ -199,18 +199,21 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet, tmp_pat
     fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
     fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
     ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
-    runs = hosts.ct_path(f"{workdir}/runs")
-    with statuspoll.polling(fleet.config, runs, tmp_path / "poll.jsonl") as polled:
-        lifecycle(fleet)
-    readings = statuspoll.read_lines(polled)
-    assert not statuspoll.violations(readings, STALL_WINDOW_S), statuspoll.violations(
-        readings, STALL_WINDOW_S
-    )[:5]
-    seen = {r["reading"]["state"] for r in readings}
+    out = tmp_path / "poll.jsonl"
+
+    def truthful(where: str) -> None:
+        """Every reading so far named a state the run was in (at the step ``where``)."""
+        bad = statuspoll.violations(statuspoll.read_lines(out), STALL_WINDOW_S)
+        assert not bad, f"{where}: {len(bad)} reading(s) untrue, the first: " + "\n".join(bad[:3])
+
+    with statuspoll.polling(fleet.config, hosts.ct_path(f"{workdir}/runs"), out):
+        lifecycle(fleet, truthful)
+    truthful("the end")
+    seen = {r["reading"]["state"] for r in statuspoll.read_lines(out)}
     assert {"starting", "training", "stopped", "failed", "finished"} <= seen, seen
 
 
-def lifecycle(fleet: RemoteFleet) -> None:
+def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None]) -> None:
     hosts, workdir = fleet.hosts, fleet.workdir
     run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
     run_dir = f"{workdir}/runs/{run_id}"
@@ -227,6 +230,7 @@ def lifecycle(fleet: RemoteFleet) -> None:
 
     # 2. kill -9 (`fab stop --force`) after some more steps; resume after the last checkpoint.
     testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
+    truthful("stop, resume")
     killed = fleet.fab("stop", "--force")
     assert killed.returncode == 0, killed.stderr
     # The newest complete checkpoint file: written in the background, its event follows the
@@ -242,6 +246,7 @@ def lifecycle(fleet: RemoteFleet) -> None:
 
     st = wait_final(fleet)
     assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
+    truthful("kill -9, resume, finish")
     steps = [h["step"] for h in st["history"]]
     assert steps == list(range(1, STEPS + 1)), steps  # one history: no step twice, none missing
     assert st["segments"] == 3 and st["resumed_from"] == saved[-1], st
@@ -313,6 +318,7 @@ def lifecycle(fleet: RemoteFleet) -> None:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
         st3 = wait_final(fleet)
+        truthful("a new run, its trainer killed, restarted by the policy, finished")
         assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
         assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
         assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2
