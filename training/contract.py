@@ -36,7 +36,9 @@ CONFIG_FILE = "config.json"  # the resolved run config (training.config.write_co
 STOP_SIGNAL_FILE = "stop_signal"  # the signal `fab stop` sent (a stop, not a crash; no restart after it)
 RUN_ENV_FILE = "run.env"  # the run's environment (0600) from the launcher; the wrapper deletes it once read
 RUN_ENV_TRAILER = "fleet-env-bytes"  # run.env's last line, "# fleet-env-bytes N": N bytes came before it
-LAUNCHED_AT_FILE = "launched_at"  # when the wrapper started (epoch seconds), written beside its pid
+LAUNCHED_AT_FILE = (
+    "launched_at"  # when the wrapper started the trainer (epoch s): the launch, then each restart
+)
 SEGMENTS_FILE = "segments.jsonl"  # one line per launch of the run dir (`fab train` again resumes it)
 EARLIER_ATTEMPTS_FILE = "attempts-earlier.jsonl"  # the attempts of the run dir's earlier launches
 SET_ASIDE_PREFIX = ".prev-"  # a launch keeps the previous launch's files as .prev-NAME until it starts
@@ -67,7 +69,15 @@ RUN_DIR_FILES = (
 )
 # What a launch sets aside (SET_ASIDE_PREFIX + name) and puts back if it fails: the previous
 # launch's outcome and record, which are not this launch's.
-LAUNCH_FILES = (EXIT_CODE_FILE, STOP_SIGNAL_FILE, PID_FILE, PGID_FILE, RUN_RECORD_FILE, ATTEMPTS_FILE)
+LAUNCH_FILES = (
+    EXIT_CODE_FILE,
+    STOP_SIGNAL_FILE,
+    PID_FILE,
+    PGID_FILE,
+    RUN_RECORD_FILE,
+    ATTEMPTS_FILE,
+    LAUNCHED_AT_FILE,
+)
 
 
 # A Hugging Face model folder's config (the target's, and the exported drafter's: `fab export --to`

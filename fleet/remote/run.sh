@@ -55,14 +55,21 @@ if command -v flock >/dev/null 2>&1 && ! flock -w 5 9; then
     exit 75
 fi
 
+# The clock in epoch seconds with a decimal point whatever the locale (run.env may set one).
+epoch_now() {
+    local t=${EPOCHREALTIME:-$(date +%s)}
+    printf '%s' "${t/,/.}"
+}
+# First, so that a status read that finds the lock held also finds when this launch began: the
+# events before it are an earlier launch's.
+printf '%s\n' "$(epoch_now)" > "$run_dir/$LAUNCHED_AT_FILE"
+
 read -r stat < "/proc/$$/stat" || stat=""
 rest=${stat##*) }
 read -r _state _ppid pgid _rest <<< "$rest" || true
 pgid=${pgid:-$$}
 printf '%s\n' "$$" > "$run_dir/$PID_FILE"
 printf '%s\n' "$pgid" > "$run_dir/$PGID_FILE"
-printf '%s\n' "${EPOCHREALTIME:-$(date +%s)}" > "$run_dir/$LAUNCHED_AT_FILE"
-
 if [ -f "$run_env" ]; then
     # shellcheck disable=SC1090  # the run's environment, written by the launcher
     . "$run_env"
@@ -133,7 +140,7 @@ no_retry_cause() {
 
 record_attempt() {  # attempt exit_code cause retry
     printf '{"attempt": %s, "exit_code": %s, "cause": "%s", "retry": %s, "ts": %s}\n' \
-        "$1" "$2" "$3" "$4" "$(date +%s)" >> "$attempts_log"
+        "$1" "$2" "$3" "$4" "$(epoch_now)" >> "$attempts_log"
 }
 
 watcher=""
@@ -175,6 +182,8 @@ while :; do
         break
     fi
     attempt=$((attempt + 1))
+    # The next attempt's start: status reads its events from here on (until then: restarted).
+    printf '%s\n' "$(epoch_now)" > "$run_dir/$LAUNCHED_AT_FILE"
 done
 if [ "$code" -ne 0 ]; then
     if [ ! -e "$stop_file" ]; then

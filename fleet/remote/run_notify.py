@@ -31,8 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).absolute().parent.parent))  # the release: training/ is beside remote/
 
 from training.contract import (
+    ATTEMPTS_FILE,
     EVENTS_FILE,
     EXIT_CODE_FILE,
+    LAUNCHED_AT_FILE,
     LOG_FILE,
     NOTIFY_COMMAND_ENV,
     NOTIFY_HEADERS_ENV,
@@ -146,13 +148,25 @@ def send(run_dir: Path, state: str, cause: str) -> int:
 
 
 def activity(run_dir: Path) -> float:
+    """The last sign of life: an event, a log line, or the wrapper starting an attempt."""
     times = []
-    for name in (EVENTS_FILE, LOG_FILE):
+    for name in (EVENTS_FILE, LOG_FILE, LAUNCHED_AT_FILE):
         try:
             times.append((run_dir / name).stat().st_mtime)
         except OSError:
             pass
     return max(times) if times else time.time()
+
+
+def between_attempts(run_dir: Path) -> bool:
+    """The restart policy's back-off: the wrapper recorded a retry after the attempt it ran last
+    started (``fab status`` says ``restarted``): a wait, not a stall."""
+    try:
+        last = json.loads((run_dir / ATTEMPTS_FILE).read_text().splitlines()[-1])
+        started = float((run_dir / LAUNCHED_AT_FILE).read_text())
+    except (OSError, ValueError, IndexError):
+        return False
+    return isinstance(last, dict) and last.get("retry") is True and float(last.get("ts", 0)) >= started
 
 
 def watch(run_dir: Path, stall_s: float) -> int:
@@ -165,7 +179,7 @@ def watch(run_dir: Path, stall_s: float) -> int:
         if notified_at is not None and last > notified_at:
             notified_at = None  # it moved again: a later stall is news
         idle = time.time() - last
-        if notified_at is None and idle > stall_s:
+        if notified_at is None and idle > stall_s and not between_attempts(run_dir):
             send(run_dir, "stalled", f"no new event or log output for {idle:.0f}s")
             notified_at = time.time()
         time.sleep(interval)

@@ -2,8 +2,8 @@
 # Everything `fab status` needs about the latest run, in one command (fleet.status.fetch), sent as
 #   sh -c <this> fleet-status-fetch WORKDIR TMUX SESSION EVENT_BYTES NVIDIA_SMI FIELDS [LOG_BYTES]
 # Prints the prelude's sections: the target's clock (now), the latest run id (run), whether it is
-# alive (its lock), its tmux pane, run.json, the pid, exit_code and stop_signal files of run.sh /
-# `fab stop`, the last lines of attempts.jsonl (the restart policy's record), size+mtime and the
+# alive (its lock), its tmux pane, run.json, the pid, exit_code, stop_signal and launched_at files
+# of run.sh / `fab stop`, the last lines of attempts.jsonl (the restart policy's record), size+mtime and the
 # last bytes (`tail -c`) of events.jsonl and train.log (events_stat, events_tail, log_stat,
 # log_tail), and the `nvidia-smi --query-gpu` table (gpus) when NVIDIA_SMI is not empty.
 # A log of many GB is never read whole. The `end` section tells the caller the answer is complete.
@@ -28,7 +28,7 @@ if [ -n "$run" ] && [ -d "$d" ]; then
     if run_alive "$d"; then alive=1; else alive=0; fi
     emit alive 0 "$alive"
     section run_json cat -- "$d/$RUN_RECORD_FILE"
-    for f in "$PID_FILE" "$EXIT_CODE_FILE" "$STOP_SIGNAL_FILE"; do
+    for f in "$PID_FILE" "$EXIT_CODE_FILE" "$STOP_SIGNAL_FILE" "$LAUNCHED_AT_FILE"; do
         section "$f" cat -- "$d/$f"
     done
     section attempts tail -n 20 -- "$d/$ATTEMPTS_FILE"

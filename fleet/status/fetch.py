@@ -25,7 +25,14 @@ from fleet.errors import CommandFailed, ConfigError, GpuGateError, RunError, Tar
 from fleet.gpus import QUERY_FIELDS, parse_query_gpu
 from fleet.layout import RUN_SESSION
 from fleet.status.model import GpuRow, RunFacts, RunStatus, State, build_status
-from training.contract import EVENTS_FILE, EXIT_CODE_FILE, LOG_FILE, PID_FILE, STOP_SIGNAL_FILE
+from training.contract import (
+    EVENTS_FILE,
+    EXIT_CODE_FILE,
+    LAUNCHED_AT_FILE,
+    LOG_FILE,
+    PID_FILE,
+    STOP_SIGNAL_FILE,
+)
 
 if TYPE_CHECKING:
     from fleet.target import Target
@@ -87,6 +94,12 @@ def parse_fetch(stdout: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int |
                 _int(pane[2]) if len(pane) > 2 else None,
             )
             exit_code = 128 + signal if signal else status
+    launched_at = _float(s.get(LAUNCHED_AT_FILE, ""))
+    if alive and launched_at is None and _int(s.get(PID_FILE, "")) is None:
+        # A wrapper writes its launch time first, as soon as it holds the lock: one that holds it
+        # and has written neither that nor its pid has only just started (the launch moved the
+        # previous launch's files aside). A wrapper that predates launched_at wrote its pid.
+        launched_at = now
     run_json = _json_object(s.get("run_json", ""))
     ev_stat = s.get("events_stat", "").split()
     log_stat = s.get("log_stat", "").split()
@@ -101,6 +114,7 @@ def parse_fetch(stdout: str, *, tail_bytes: int = TAIL_BYTES, gpu_targets: int |
         events_mtime=_float(ev_stat[1]) if len(ev_stat) > 1 else None,
         log_size=_int(log_stat[0]) if log_stat else None,
         started_at=_iso_seconds(run_json.get("started_at")),
+        launched_at=launched_at,
         stop_signal=s.get(STOP_SIGNAL_FILE, "").strip(),
         attempts=tuple(_attempts(s.get("attempts", ""))),
     )

@@ -20,8 +20,17 @@ States and transitions. The phase of the run comes from its ``phase`` events (a
     stopped                                          -> stopped
     error                                            -> failed
 
+The phase is the live launch's while its processes live: a launch (``fab train``, ``fab train``
+again to resume, or the restart policy's next attempt) is the wrapper's, which writes its start
+(``launched_at``) once it holds the run's lock; the events before it are an earlier launch's or
+attempt's, whatever they ended with. So a live launch without a phase of its own is ``starting``,
+and one whose phase is final (its trainer wrote ``done``/``stopped``/``error`` and is exiting)
+reads as the phase it was in before, never as ended: ended means no process of the run lives.
+Between two attempts of the restart policy (the wrapper's back-off) the run is ``restarted``.
+
 then liveness decides:
 
+    alive, attempt ended and a retry recorded after it -> restarted
     process gone, exit 0        -> finished (phase done) else stopped
     process gone, exit != 0     -> failed (the exit status is shown; kill -9 -> 137)
     process gone, no exit file  -> finished/stopped if the phase says so, else failed
@@ -39,7 +48,7 @@ A process that ended by SIGKILL (exit 137) is diagnosed with its likely causes: 
 readable), or a container stopped under it.
 
 Exit codes of ``fab status`` (distinct from fleet.errors' 1-7): never, starting, loading,
-compiling, training, evaluating, checkpointing and finished -> 0; stopped -> 10;
+compiling, training, evaluating, checkpointing, restarted and finished -> 0; stopped -> 10;
 stalled -> 11; failed -> 12.
 """
 
@@ -86,6 +95,7 @@ class State(StrEnum):
     FINISHED = "finished"
     STOPPED = "stopped"
     STALLED = "stalled"
+    RESTARTED = "restarted"  # the restart policy's back-off: an attempt ended, the next one is due
     FAILED = "failed"
     LIVE = "live"  # `fab runs`: a run whose process is alive, whatever its phase
 
@@ -284,6 +294,9 @@ class RunFacts:
     events_mtime: float | None = None
     log_size: int | None = None
     started_at: float | None = None  # run.json's started_at
+    # When the wrapper started the live attempt's trainer (LAUNCHED_AT_FILE: its launch, then each
+    # restart); only the events from then on are this attempt's.
+    launched_at: float | None = None
     stop_signal: str = ""  # what `fab stop` sent (TERM / KILL), "" when it never did
     kernel_log_readable: bool | None = None  # None: not read (only a SIGKILLed run's is)
     kernel_oom: tuple[str, ...] = ()  # the kernel's OOM-killer lines from the run's lifetime
@@ -460,6 +473,29 @@ def run_phase(events: Sequence[Mapping[str, Any]]) -> tuple[str, float | None]:
     return last if last else ("", None)
 
 
+def launch_events(events: Sequence[Mapping[str, Any]], facts: RunFacts) -> list[Mapping[str, Any]]:
+    """The events of the live launch's attempt: those from its ``launched_at`` on while a process
+    of the run lives (the earlier ones are launches or attempts that ended); all of them when the
+    run has ended or its liveness or launch time is not known."""
+    if facts.alive and facts.launched_at is not None:
+        return [ev for ev in events if float(ev["ts"]) >= facts.launched_at]
+    return list(events)
+
+
+def _final_event(ev: Mapping[str, Any]) -> bool:
+    kind = ev.get("event")
+    return kind in ("done", "error") or (kind == "phase" and ev.get("phase") in FINAL_PHASES)
+
+
+def between_attempts(facts: RunFacts) -> bool:
+    """The restart policy's back-off: the live attempt ended and the wrapper recorded a retry
+    (attempts.jsonl) after that attempt started; the next one has not started yet."""
+    if not facts.alive or not facts.attempts or facts.attempts[-1].get("retry") is not True:
+        return False
+    ended = _num(facts.attempts[-1].get("ts"))
+    return ended is not None and (facts.launched_at is None or ended >= facts.launched_at)
+
+
 def derive_state(
     phase: str,
     phase_since: float | None,
@@ -468,6 +504,9 @@ def derive_state(
     stall_window_s: float,
 ) -> tuple[str, float | None, str]:
     """(state, since, note) from the phase and the liveness facts — the transitions in the docstring."""
+    if between_attempts(facts):
+        cause = str(facts.attempts[-1].get("cause", ""))
+        return State.RESTARTED, _num(facts.attempts[-1].get("ts")), f"attempt ended ({cause}); restarting"
     state = PHASE_STATES.get(phase, State.STARTING)
     if facts.alive is False:
         ended = facts.log_mtime or last_activity
@@ -478,6 +517,8 @@ def derive_state(
         if state in ENDED:
             return state, phase_since, "process gone"
         return State.FAILED, ended, "the run's process is gone and left no exit status"
+    if facts.alive and state is State.STARTING:
+        phase_since = facts.launched_at
     if facts.alive and state not in ENDED:
         if facts.now is not None and last_activity is not None:
             if facts.now - last_activity > stall_window_s:
@@ -673,15 +714,24 @@ def build_status(
             checkpoint.step if checkpoint else None,
         )
         diagnosis = [*diagnosis, killed] if killed else diagnosis  # the kill came last
-    phase, phase_since = run_phase(events)
-    if not phase and (load or buckets):  # only the human log says so (events missing or rotated)
+    launch = launch_events(events, facts)
+    phase, phase_since = run_phase(launch)
+    if facts.alive and phase in FINAL_PHASES:  # reported its end, but a process of it still lives
+        notes.append(f"the run reported {phase}; its processes are still exiting")
+        phase, phase_since = run_phase([ev for ev in launch if not _final_event(ev)])
+    # Only the human log says so (events missing or rotated); its lines of earlier launches are
+    # not the live launch's.
+    if not phase and (load or buckets) and not (facts.alive and facts.launched_at is not None):
         phase = "load_target" if load else "buckets"
     fatal = error is not None or any(d.signature in FATAL_SIGNATURES for d in diagnosis)
     if facts.alive is None and fatal and phase not in FINAL_PHASES:
         phase, phase_since = "error", None  # an offline log that ends in a crash
     # A beat without progress is no activity, and neither is the events file's mtime it moved.
     beating = bool(events) and events[-1]["event"] == "progress" and activity != events[-1]["ts"]
-    times = [t for t in (activity, facts.log_mtime, None if beating else facts.events_mtime) if t]
+    events_mtime = None if beating else facts.events_mtime
+    times = [
+        t for t in (activity, facts.log_mtime, events_mtime, facts.launched_at if facts.alive else None) if t
+    ]
     last_activity = max(times) if times else None
     if progress is not None and (progress.phase != phase or (phase_since and progress.ts < phase_since)):
         progress = None  # an earlier phase's
@@ -720,7 +770,7 @@ def build_status(
         notes.append("warm compile cache but misses: something recompiled (concurrent-compile risk)")
     trend = loss_trend([(int(s["step"]), _num(s.get("loss"))) for s in steps])
     eta: float | None = None
-    if state not in ("finished", "stopped", "failed", "stalled"):
+    if state not in ("finished", "stopped", "failed", "stalled", "restarted"):
         if progress is not None:  # a long phase: its own rate
             eta = progress.eta_s
         elif state == "training":

@@ -34,10 +34,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import statuspoll
 import testkit
 
+from fleet.inventory import STALL_WINDOW_S
+
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from testkit import RemoteFleet, TestHost
 
@@ -189,10 +192,29 @@ def torch_fleet(shared_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
     shared_fleet.fab("stop", "--force", timeout=120)
 
 
-def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None:
+def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet, tmp_path: Path) -> None:
+    """Beside every step, from the first launch to the last run's end, a second process reads
+    `fab status --json` as fast as it answers and samples the truth around each reading
+    (tests/statuspoll.py): no reading may name a state the run was not in."""
     fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
     fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
     ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
+    out = tmp_path / "poll.jsonl"
+
+    def truthful(where: str) -> None:
+        """Every reading so far named a state the run was in (at the step ``where``)."""
+        bad = statuspoll.violations(statuspoll.read_lines(out), STALL_WINDOW_S)
+        assert not bad, f"{where}: {len(bad)} reading(s) untrue, the first: " + "\n".join(bad[:3])
+
+    with statuspoll.polling(fleet.config, hosts.ct_path(f"{workdir}/runs"), out):
+        lifecycle(fleet, truthful)
+    truthful("the end")
+    seen = {r["reading"]["state"] for r in statuspoll.read_lines(out)}
+    assert {"starting", "training", "stopped", "failed", "finished"} <= seen, seen
+
+
+def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None]) -> None:
+    hosts, workdir = fleet.hosts, fleet.workdir
     run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
     run_dir = f"{workdir}/runs/{run_id}"
 
@@ -208,6 +230,7 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
 
     # 2. kill -9 (`fab stop --force`) after some more steps; resume after the last checkpoint.
     testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
+    truthful("stop, resume")
     killed = fleet.fab("stop", "--force")
     assert killed.returncode == 0, killed.stderr
     # The newest complete checkpoint file: written in the background, its event follows the
@@ -223,6 +246,7 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
 
     st = wait_final(fleet)
     assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
+    truthful("kill -9, resume, finish")
     steps = [h["step"] for h in st["history"]]
     assert steps == list(range(1, STEPS + 1)), steps  # one history: no step twice, none missing
     assert st["segments"] == 3 and st["resumed_from"] == saved[-1], st
@@ -294,6 +318,7 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet) -> None
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
         st3 = wait_final(fleet)
+        truthful("a new run, its trainer killed, restarted by the policy, finished")
         assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
         assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
         assert [h["step"] for h in st3["history"]] == steps and st3["segments"] == 2

@@ -739,7 +739,9 @@ def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Pa
         url=f"{hook.url}/hook?token={secret}", headers={"Authorization": f"Bearer {header_secret}"}
     )
 
-    def wrapped(name: str, script: str, restart_max: int = 0, stall_s: float = 600) -> Path:
+    def wrapped(
+        name: str, script: str, restart_max: int = 0, stall_s: float = 600, backoff_s: float = 1
+    ) -> Path:
         run_dir = tmp_path / name
         (run_dir / "remote").mkdir(parents=True)
         shutil.copy(remote.path("run_notify.py"), run_dir / "remote" / "run_notify.py")
@@ -749,7 +751,7 @@ def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Pa
             name="t", host="local", workdir=str(tmp_path), run=RunSpec(restart_max=restart_max),
             notify=notify, stall_window_s=stall_s,
         )  # fmt: skip
-        env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": "1"}
+        env = runs.wrapper_env(spec) | {"FLEET_RESTART_BACKOFF_S": str(backoff_s)}
         (run_dir / "run.env").write_bytes(runs.env_file_text(env))
         argv = [
             "bash",
@@ -771,7 +773,8 @@ def test_run_wrapper_notifies_a_webhook_without_leaking_its_secrets(tmp_path: Pa
     assert path == f"/hook?token={secret}" and headers["Authorization"] == f"Bearer {header_secret}"
     assert body == {"target": "t", "run": "finished", "state": "finished", "step": 7, "cause": "", "fix": ""}
 
-    wrapped("failing", "raise SystemExit(3)", restart_max=1)
+    # A back-off longer than the stall window is the wrapper waiting to restart, not a stall.
+    wrapped("failing", "raise SystemExit(3)", restart_max=1, stall_s=0.5, backoff_s=2)
     assert hook.states()[1:] == ["restarted", "failed"]
     assert hook.received[-1][2]["cause"] == "exit 3" and "fab status" in hook.received[-1][2]["fix"]
 

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,16 +145,8 @@ def test_transitions_through_a_whole_run() -> None:
         st = status(run[:n], RunFacts(alive=True, now=T0 + 13))
         if not seen or seen[-1] != st.state:
             seen.append(st.state)
-    assert seen == [
-        "starting",
-        "loading",
-        "compiling",
-        "training",
-        "checkpointing",
-        "training",
-        "evaluating",
-        "finished",
-    ]
+    # done, while its process still exits: the run is not finished yet
+    assert seen == ["starting", "loading", "compiling", "training", "checkpointing", "training", "evaluating"]
     ended = status(run, RunFacts(alive=False, exit_code=0, now=T0 + 20))
     assert (ended.state, ended.exit_code, ended.eta_s) == ("finished", 0, None)
     assert ended.last_checkpoint is not None and ended.last_checkpoint.step == 1
@@ -293,10 +286,14 @@ def test_error_event_on_one_rank_fails_the_run() -> None:
         ev(2.1, "phase", rank=1, role="drafter", phase="error"),
         step(3, 2, rank=0, role="drafter"),
     ]  # fmt: skip
-    st = status(events)
+    st = status(events, RunFacts(run_id="r1", alive=False, exit_code=1, now=T0 + 60))
     assert st.state == "failed" and st.last_error is not None
     assert st.last_error.type == "OutOfMemoryError"
     assert [d.signature for d in st.diagnosis] == ["cuda-oom"]
+    # A process of the run still lives (rank 0 trains on): not ended yet, the error shown all the same.
+    live = status(events)
+    assert (live.state, live.exit_code, live.phase) == ("training", 0, "train")
+    assert live.last_error == st.last_error and "the run reported error" in " ".join(live.notes)
 
 
 def test_done_counts_only_when_every_rank_is_done() -> None:
@@ -322,7 +319,9 @@ def test_done_counts_only_when_every_rank_is_done() -> None:
         ev(3, "phase", 0, "drafter", phase="done"),
     ]
     assert status(one_done).state == "training"
-    assert status([*one_done, ev(4, "phase", 1, "drafter", phase="done")]).state == "finished"
+    both = [*one_done, ev(4, "phase", 1, "drafter", phase="done")]
+    assert status(both, RunFacts(alive=False, exit_code=0)).state == "finished"
+    assert status(both).state == "training"  # still exiting
 
 
 def test_stalled_when_alive_but_nothing_moves() -> None:
@@ -337,10 +336,13 @@ def test_stalled_when_alive_but_nothing_moves() -> None:
     assert status(events, quiet, stall_window_s=5000).state == "training"
 
 
-def test_finished_run_is_never_stalled() -> None:
-    events = [*START, ev(1, "phase", phase="done")]
-    st = status(events, RunFacts(alive=True, now=T0 + 10_000), stall_window_s=1)
+def test_an_ended_run_is_never_stalled_and_a_live_one_never_ended() -> None:
+    events = [*START, ev(1, "phase", phase="train"), ev(2, "phase", phase="done")]
+    st = status(events, RunFacts(alive=False, exit_code=0, now=T0 + 10_000), stall_window_s=1)
     assert st.state == "finished"
+    # done, but its process never exits: it hangs, and that is no finished run
+    hung = status(events, RunFacts(alive=True, now=T0 + 10_000), stall_window_s=1)
+    assert (hung.state, hung.exit_code) == ("stalled", 11)
 
 
 def test_offline_log_ending_in_a_traceback_is_failed() -> None:
@@ -792,3 +794,72 @@ def test_a_checkpoint_set_aside_at_a_resume_is_noted() -> None:
     note = f"checkpoint step 40 failed its check (truncated: 9 bytes): set aside as {path}.bad"
     assert note in st.notes and note in st.to_json()["notes"]
     assert "failed its check" in render_text(st)  # (wrapped to the terminal width)
+
+
+# --------------------------------------------------------------------------- the live launch's state
+
+
+def test_a_live_launch_is_starting_until_its_own_first_phase_whatever_the_last_one_ended_with() -> None:
+    """The issue's reproduction: launch 1 stopped at step 24; `fab train` resumes. While launch 2's
+    processes live, launch 1's `stopped` (and its last live phase, train) are not its state."""
+    first = [
+        *START,
+        ev(1, "phase", phase="train"),
+        step(2, 24),
+        ev(3, "phase", phase="stopped", during="train"),
+    ]
+    stopped = status(first, RunFacts(run_id="r1", alive=False, exit_code=0, now=T0 + 4))
+    assert (stopped.state, stopped.exit_code) == ("stopped", 10)
+    launched = RunFacts(run_id="r1", alive=True, now=T0 + 11, launched_at=T0 + 10, log_mtime=T0 + 10)
+    relaunch = ev(
+        10.5, "run_start", config="tiny-cpu", run_dir="/r", pid=2, host="h", world_size=1, device="cpu"
+    )
+    readings = []
+    for later in (
+        [],
+        [relaunch],
+        [relaunch, resume_ev(10.6, 24)],
+        [relaunch, ev(10.7, "phase", phase="load_data")],
+    ):
+        st = status([*first, *later], launched)
+        readings.append((st.state, st.exit_code, st.step))
+    assert readings == [("starting", 0, 24)] * 3 + [("loading", 0, 24)]
+    assert status(first, launched).since == T0 + 10
+    # Without its launch time (a wrapper from before launched_at) the events decide as before.
+    assert status(first, RunFacts(run_id="r1", alive=True, now=T0 + 11)).state == "training"
+
+
+def test_between_two_attempts_the_run_is_restarted_then_starting() -> None:
+    """The restart policy: attempt 1 killed (no final event) and its retry recorded, then the
+    back-off, then attempt 2 from its launched_at."""
+    events = [*START, ev(1, "phase", phase="train"), step(2, 7)]
+    retry = {"attempt": 1, "exit_code": 137, "cause": "exit 137", "retry": True, "ts": T0 + 3}
+    backoff = RunFacts(
+        run_id="r1", alive=True, now=T0 + 4, launched_at=T0, attempts=(retry,), log_mtime=T0 + 3
+    )
+    st = status(events, backoff)
+    assert (st.state, st.exit_code, st.attempt, st.since) == ("restarted", 0, 2, T0 + 3)
+    assert st.to_json()["state"] == "restarted" and "exit 137" in render_text(st)
+    second = RunFacts(
+        run_id="r1", alive=True, now=T0 + 5, launched_at=T0 + 4.5, attempts=(retry,), log_mtime=T0 + 5
+    )
+    assert (status(events, second).state, status(events, second).attempt) == ("starting", 2)
+    train2 = [*events, ev(6, "phase", phase="train")]
+    assert status(train2, replace(second, now=T0 + 7)).state == "training"
+    # The last attempt's failure, not retried: the run ends failed once its wrapper is gone.
+    final = {**retry, "retry": False, "ts": T0 + 8}
+    gone = RunFacts(
+        run_id="r1", alive=False, exit_code=1, now=T0 + 9, launched_at=T0 + 4.5, attempts=(final,)
+    )
+    assert status(train2, gone).state == "failed"
+
+
+def test_the_fetch_reads_the_launch_time_and_a_wrapper_that_has_only_just_started() -> None:
+    def out(*extra: tuple[str, str]) -> str:
+        sections = [("now", f"{T0 + 20}"), ("run", "r1"), ("alive", "1"), *extra, ("end", "")]
+        return framed(*((name, 0, text) for name, text in sections))
+
+    assert parse_fetch(out(("pid", "77"), ("launched_at", f"{T0 + 9.25}"))).facts.launched_at == T0 + 9.25
+    # The lock held, neither its launch time nor its pid written yet: it started just now.
+    assert parse_fetch(out()).facts.launched_at == T0 + 20
+    assert parse_fetch(out(("pid", "77"))).facts.launched_at is None  # a wrapper from before launched_at
