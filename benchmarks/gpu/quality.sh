@@ -9,8 +9,8 @@
 #   recipe    install the wheels, then in the background: smol-h200's own recipe alone on the GPU
 #             (`python -m training train --config smol-h200`: regeneration, then training), then
 #             fleet's evaluator on 64 held-out and 64 general prompts (DDTree budgets 16-512) and on 32
-#             training prompts (memorisation); then (TREE=1, the default) DDTree's tree verification
-#             against replay, the calibration lever and the export's ddtree.json
+#             training prompts (memorisation, MEMO=1: the default); the export (its ddtree.json); then
+#             (TREE=1, the default) DDTree's calibration lever and tree verification against replay
 #             (benchmarks/tree_bench.py cost --config qwen3.6-27b-random: the 27B-shape hybrid's curve)
 #   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
@@ -107,14 +107,15 @@ recipe_job() {  # the times of each phase are in $R/job.log; the run's own in it
     python3 -m training train --config smol-h200 --run-dir "$R/run"; stamp "train exit=$?"
     python3 -m training eval --run-dir "$R/run" --eval.num_prompts=64 --eval.tree_budgets=16,32,64,128,256,512
     stamp "eval held_out + general exit=$?"
+    python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
     [ "${TREE:-1}" = 1 ] && tree_job
+    [ "${MEMO:-1}" = 1 ] || return 0
     python3 -m training eval --run-dir "$R/run" --eval.sets=train --eval.num_prompts=32
     stamp "eval train exit=$?"
 }
 
-tree_job() {  # DDTree on the recipe's drafter: the export's ddtree.json, the calibration lever, verify vs replay
+tree_job() {  # DDTree on the recipe's drafter: the calibration lever, tree verification against replay
     stamp() { echo "[tree $(date -u +%H:%M:%S)] $*"; }
-    python3 -m training export --run-dir "$R/run" --out "$R/export"; stamp "export exit=$?"
     python3 benchmarks/tree_bench.py levers calibrate --run "$R/run" --eval.num_prompts=64 \
         --out "$R/calibrate.json"
     stamp "calibrate exit=$?"
