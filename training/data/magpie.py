@@ -361,6 +361,12 @@ def magpie_key(model_id: str, count: int, settings: MagpieSettings, how: str) ->
     return digest.hexdigest()[:12]
 
 
+def sampled_how(batch_size: int, dtype: str, server: bool) -> str:
+    """How a set is sampled, for its key: through servers, or in this process (the batch size
+    and the device-dtype decide the random draws)."""
+    return "server" if server else f"batch{batch_size}-{dtype}"
+
+
 def magpie_path(cache_dir: Path, model_id: str, count: int, settings: MagpieSettings, how: str) -> Path:
     """Where a Magpie set is kept: one request a line (JSON strings), its report beside it."""
     return cache_dir / "regen" / f"magpie-{magpie_key(model_id, count, settings, how)}.jsonl"

@@ -44,6 +44,7 @@ from training.data.magpie import (
     magpie_prompts,
     sample_from_servers,
     sample_in_process,
+    sampled_how,
     user_turn,
 )
 from training.progress import Progress
@@ -294,7 +295,7 @@ def regenerated_data(
     shipped, written = source_counts(count, sources, magpie_share)
     prompts = shipped_prompts(shipped, sources)
     if written:
-        where = magpie_path(cache_dir, model_id, written, magpie, f"batch{batch_size}-{dtype}")
+        where = magpie_path(cache_dir, model_id, written, magpie, sampled_how(batch_size, dtype, False))
         prompts += magpie_prompts(
             where,
             written,
@@ -368,7 +369,7 @@ def server_regenerated_data(
                 )
             return sample_from_servers(urls, frame, magpie, concurrency), concurrency * len(urls)
 
-        where = magpie_path(cache_dir, model_id, written, magpie, "server")
+        where = magpie_path(cache_dir, model_id, written, magpie, sampled_how(0, "", True))
         prompts += magpie_prompts(where, written, magpie, turn, sampler, echo)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")

@@ -377,10 +377,29 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
         raise ConfigError(f"config key {exc}") from None
 
 
+def planned_magpie_file(config: RunConfig) -> Path | None:
+    """Where ``data.regenerate`` keeps the requests Magpie writes for this config (its report
+    beside it: ``*.report.json``), None where ``data.regen_sources`` has no "magpie"."""
+    from training.data.magpie import MagpieSettings, magpie_path, sampled_how
+    from training.data.regen import source_counts
+
+    data = config.data
+    _shipped, written = source_counts(data.regen_prompts, data.regen_sources, data.magpie_share)
+    if not written:
+        return None
+    folder, _tok_dir = model_source(config)
+    model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
+    device = resolve_device(config.model.device)
+    dtype = f"{device.type}-{resolve_dtype(config.model.dtype, device)}"
+    how = sampled_how(data.regen_batch_size, dtype, bool(data.regen_servers))
+    cache = default_cache_dir(config.model.cache_dir)
+    return magpie_path(cache, model_id, written, MagpieSettings.of(data), how)
+
+
 def planned_regen_file(config: RunConfig) -> Path:
     """The file ``data.regenerate`` trains on (it may not be generated yet), without building it;
     with Magpie's requests not written yet, a ``missing`` path."""
-    from training.data.magpie import MagpieSettings, cached_prompts, magpie_path
+    from training.data.magpie import cached_prompts
     from training.data.regen import (
         SERVER_REGEN_FILE,
         regen_path,
@@ -395,11 +414,11 @@ def planned_regen_file(config: RunConfig) -> Path:
     cache = default_cache_dir(config.model.cache_dir)
     device = resolve_device(config.model.device)
     dtype = f"{device.type}-{resolve_dtype(config.model.dtype, device)}"
-    shipped, written = source_counts(data.regen_prompts, data.regen_sources, data.magpie_share)
+    shipped, _written = source_counts(data.regen_prompts, data.regen_sources, data.magpie_share)
     prompts = shipped_prompts(shipped, data.regen_sources)
-    if written:
-        how = "server" if data.regen_servers else f"batch{data.regen_batch_size}-{dtype}"
-        magpie = cached_prompts(magpie_path(cache, model_id, written, MagpieSettings.of(data), how))
+    magpie_file = planned_magpie_file(config)
+    if magpie_file is not None:
+        magpie = cached_prompts(magpie_file)
         if magpie is None:
             return cache / "regen" / "missing"
         prompts += magpie

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import re
-from functools import cache
 from pathlib import Path
 
 import pytest
+from testkit import smol_chat_template, tiny_qwen3
 
-from tests.testkit import tiny_qwen3
 from training.config import ConfigError, load_config
 from training.data.magpie import (
     REASONS,
@@ -41,17 +40,6 @@ SMOL_SYSTEM = (
 TEXTS = ["Write a Python function that returns the sum of two numbers.\n", "Explain recursion.\n"] * 20
 
 
-@cache
-def smollm2_template() -> str:
-    """SmolLM2-135M-Instruct's chat template, as its GGUF (the smol target's file) carries it."""
-    import gguf
-
-    from training.model.smol import gguf_path
-
-    field = gguf.GGUFReader(str(gguf_path())).fields["tokenizer.chat_template"]
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
 def tokenizer_with(template: str, thinking: bool = False):
     tokenizer = train_tokenizer(TEXTS, vocab_size=300, thinking=thinking)
     tokenizer.chat_template = template
@@ -68,7 +56,7 @@ def tokenizer_with(template: str, thinking: bool = False):
 )
 def test_the_prefix_is_the_template_up_to_the_user_turn(name: str, expected: str) -> None:
     template = {
-        "smollm2": smollm2_template,
+        "smollm2": smol_chat_template,
         "qwen3": lambda: (REPO / "tests" / "fixtures" / "qwen3-chat-template.jinja").read_text(),
         "qwen3.5": lambda: QWEN3_5_CHAT_TEMPLATE,
     }[name]()
