@@ -7,7 +7,7 @@ and sampled per second, the share filtered out and each filter's count, a few ke
 Nothing is cached: the rate is measured each time.
 
 ``all``: one lever per arm on one GPU, each arm smol-h200 trained with its data overrides for
-``--steps`` steps and its last checkpoint evaluated by fleet's evaluator (``python -m training eval
+```--steps`` steps and its last checkpoint evaluated by fleet's evaluator (``python -m training eval
 --export``) on the general set (``--general``: ``eval.sets``' shipped "general", or a file) and on
 today's held-out file (``--heldout``: the quality benchmark's ``heldout.jsonl``, so the in-family
 figure stays comparable with benchmarks/RESULTS.md). Arms (``--size`` prompts, ``2x``: twice as many):
@@ -32,6 +32,7 @@ evaluation is in ``OUT/results.json`` is skipped, a stopped one resumes from its
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -56,8 +57,10 @@ ARMS: dict[str, tuple[str, float, int]] = {
 }
 
 
+@functools.cache
 def quality_bench() -> Any:
-    """benchmarks/quality_bench.py (its data helpers, trainer and evaluator runs), loaded by path."""
+    """benchmarks/quality_bench.py (its data helpers, trainer and evaluator runs), loaded by path
+    once (its ``EXTRA`` overrides are this benchmark's ``--set``)."""
     spec = importlib.util.spec_from_file_location("quality_bench", REPO / "benchmarks" / "quality_bench.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -67,7 +70,7 @@ def quality_bench() -> Any:
 
 
 def log(text: str) -> None:
-    print(f"[magpie {time.strftime('%H:%M:%S')}] {text}", flush=True)
+    print(f"[magpie {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------- rate
@@ -86,13 +89,8 @@ def cmd_rate(args: argparse.Namespace) -> None:
     settings = MagpieSettings.of(config.data)
     batch = args.batch or config.data.regen_batch_size
     turn = user_turn(tokenizer)
-    result = collect(
-        sample_in_process(model, tokenizer, turn, settings, batch),
-        args.prompts,
-        settings,
-        turn.markers,
-        batch,
-    )
+    draw = sample_in_process(model, tokenizer, turn, settings, batch)
+    result = collect(draw, args.prompts, settings, turn.markers, batch, lambda kept: log(f"{kept} kept"))
     device = next(model.parameters()).device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
     seconds = max(result.seconds, 1e-9)
@@ -135,7 +133,7 @@ def magpie_report(overrides: list[str]) -> dict[str, Any] | None:
 
 def run_arm(args: argparse.Namespace, name: str) -> dict[str, Any]:
     q = quality_bench()
-    q.EXTRA[:] = list(args.set)
+    q.CONFIG, q.EXTRA[:] = args.config, list(args.set)
     out: Path = args.out
     overrides = arm_overrides(name, args.size)
     started = time.time()
@@ -273,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", type=Path, required=True)
         if step == "all":
             p.add_argument("--heldout", type=Path, required=True)
+            p.add_argument(
+                "--config", default=CONFIG, help="smol-cpu: the benchmark's own smoke run on a CPU"
+            )
             p.add_argument(
                 "--general", default="general", help="eval.sets' name of the general set, or a file"
             )

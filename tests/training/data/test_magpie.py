@@ -31,6 +31,7 @@ from training.data.magpie import (
     sample_in_process,
     user_turn,
 )
+from training.data.regen import shipped_prompts
 from training.model.tinymodel import QWEN3_5_CHAT_TEMPLATE, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -203,3 +204,35 @@ def test_magpie_sources_and_bad_settings_are_one_config_error() -> None:
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config("smol-cpu", [bad])
+
+
+@pytest.mark.slow  # the tiny target built and loaded, 8 samples, 4 replies: ~25 s on 2 loaded cores
+def test_the_trainers_regenerated_set_is_the_shipped_then_the_written_requests(tiny_cache: Path) -> None:
+    """``data.regenerate`` with "stdlib,magpie" on the tiny target: its random weights write no
+    request that passes the filters (one config error naming the counts); once the Magpie set is in
+    the cache, the set is the shipped prompts then the written ones, where ``planned_regen_file``
+    said it would be, each answered by the target."""
+    from training.model.target import load_tokenizer, model_source
+    from training.run.core import planned_magpie_file, planned_regen_file, regenerate_data
+
+    overrides = ["--data.regenerate=true", "--data.regen_prompts=4", "--data.regen_sources=stdlib,magpie"]
+    overrides += [
+        "--data.regen_max_new_tokens=4",
+        "--data.magpie_max_new_tokens=6",
+        "--data.regen_batch_size=4",
+    ]
+    config = load_config("tiny-cpu", [*overrides, "--data.magpie_seed=11"])
+    tokenizer = load_tokenizer(model_source(config)[1])
+    assert planned_regen_file(config).name == "missing"
+    with pytest.raises(ConfigError, match=r"none of 8 sampled requests passed the filters \(.*unfinished"):
+        regenerate_data(config, tokenizer, echo=lambda _line: None)
+    written = ["How do I read a CSV file in Python?", "Suggest a name for a small bakery."]
+    planned = planned_magpie_file(config)
+    assert planned is not None and not planned.exists()  # nothing written by the failed run
+    planned.parent.mkdir(parents=True, exist_ok=True)
+    planned.write_text("".join(json.dumps(p) + "\n" for p in written))
+    path = regenerate_data(config, tokenizer, echo=lambda _line: None)
+    assert path == planned_regen_file(config)
+    rows = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert [r[0]["content"] for r in rows] == [*shipped_prompts(2), *written]
+    assert all(r[1]["role"] == "assistant" for r in rows)
