@@ -146,6 +146,8 @@ def run_arm(args: argparse.Namespace, name: str) -> dict[str, Any]:
     log(f"{name}: {len(rows)} rows ({regen_s:.0f} s), {len(rows) - len(train)} held-out prompts removed")
     args.points, args.run_eval_prompts = 1, 0  # quality_bench's trainer run: one checkpoint at the end
     trained = q.train_fleet(args, name, train_file, overrides)
+    # a resumed arm's steps were logged before this launch: its train_s is no time
+    train_s = trained["train_s"] if (trained["train_s"] or 0) > 0 else None
     result: dict[str, Any] = {
         "arm": name,
         "overrides": overrides,
@@ -153,7 +155,7 @@ def run_arm(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "trained_rows": len(train),
         "regen_s": round(regen_s, 1),
         "magpie": magpie_report(overrides),
-        "train": {k: trained[k] for k in ("exit_code", "wall_s", "train_s")},
+        "train": {"exit_code": trained["exit_code"], "wall_s": trained["wall_s"], "train_s": train_s},
         "evals": evaluate(args, name) if trained["exit_code"] == 0 else None,
     }
     return result
@@ -169,9 +171,11 @@ def evaluate(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
     if q.run_logged(export, args.out / "evals" / f"export-{name}.log") != 0:
         log(f"{name}: export failed")
         return None
-    sets = {"held_out": "held_out", "general": args.general}
+    sets = {"held_out": "held_out", "general": args.general} if args.general else {"held_out": "held_out"}
     argv = [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), "--export", str(folder)]
-    argv += [f"--eval.sets=held_out,{args.general}", f"--eval.num_prompts={args.eval_prompts}"]
+    # --general "": the held-out file alone, for a trainer without eval.sets
+    which = f"--eval.sets=held_out,{args.general}" if args.general else "--eval.split=held_out"
+    argv += [which, f"--eval.num_prompts={args.eval_prompts}"]
     log_path = args.out / "evals" / f"{name}.log"
     code = q.run_logged(argv, log_path)
     lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith("eval export")]
@@ -210,7 +214,7 @@ def cmd_all(args: argparse.Namespace) -> None:
             raise SystemExit(f"--arms: unknown arm {name!r}: one of {', '.join(ARMS)}")
     for name in args.arms.split(","):
         arms = done(args.out)
-        if (arms.get(name) or {}).get("evals"):
+        if "held_out" in ((arms.get(name) or {}).get("evals") or {}):
             log(f"{name}: done before, skipped")
             continue
         try:
@@ -275,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--config", default=CONFIG, help="smol-cpu: the benchmark's own smoke run on a CPU"
             )
             p.add_argument(
-                "--general", default="general", help="eval.sets' name of the general set, or a file"
+                "--general",
+                default="general",
+                help="eval.sets' name of the general set, or a file; '': the held-out file alone",
             )
             p.add_argument("--size", type=int, default=3000)
             p.add_argument("--steps", type=int, default=2000)
