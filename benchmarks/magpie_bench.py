@@ -32,8 +32,6 @@ evaluation is in ``OUT/results.json`` is skipped, a stopped one resumes from its
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import os
 import sys
@@ -43,6 +41,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # quality_bench, whoever runs this file
 
 CONFIG = "smol-h200"
 TODAY = "stdlib,packages"
@@ -57,16 +56,12 @@ ARMS: dict[str, tuple[str, float, int]] = {
 }
 
 
-@functools.cache
 def quality_bench() -> Any:
-    """benchmarks/quality_bench.py (its data helpers, trainer and evaluator runs), loaded by path
-    once (its ``EXTRA`` overrides are this benchmark's ``--set``)."""
-    spec = importlib.util.spec_from_file_location("quality_bench", REPO / "benchmarks" / "quality_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/quality_bench.py: its data helpers, trainer and evaluator runs (its ``EXTRA``
+    overrides are this benchmark's ``--set``)."""
+    import quality_bench
+
+    return quality_bench
 
 
 def log(text: str) -> None:

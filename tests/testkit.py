@@ -689,6 +689,20 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(tiny_qwen3_config()).eval()
 
 
+def benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` loaded as the module ``name`` (the scripts are no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def smol_chat_template() -> str:
     """SmolLM2-135M-Instruct's chat template as its GGUF (the ``smol`` target's file) carries it:

@@ -3,20 +3,11 @@ one lever changed, and the table reads the results as the arms write them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from testkit import benchmark
 
 
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("magpie_bench", REPO / "benchmarks" / "magpie_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["magpie_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("magpie_bench")
 
 
 def test_each_arm_is_smol_h200_with_its_data_lever() -> None:

@@ -6,24 +6,18 @@ and the draft config written from fleet's export config. The tiny target stands 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from testkit import benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "context" / "specforge-smol" / "smol-dflash.json"
 
 
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("quality_bench", REPO / "benchmarks" / "quality_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("quality_bench")
 
 
 def rows(n: int) -> list[dict]:
