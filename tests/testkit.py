@@ -9,6 +9,7 @@ The `hosts` tier needs `tests/hosts/setup` (root) to have run; its facts are rea
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -701,6 +702,18 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
 
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(tiny_qwen3_config()).eval()
+
+
+@functools.cache
+def smol_chat_template() -> str:
+    """SmolLM2-135M-Instruct's chat template as its GGUF (the ``smol`` target's file) carries it:
+    the template without the ~40 s of building the whole tokenizer from the GGUF."""
+    import gguf
+
+    from training.model.smol import gguf_path
+
+    field = gguf.GGUFReader(str(gguf_path())).fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
 # One torch thread for a trainer a test starts: beside the other xdist worker's torch processes on a

@@ -151,6 +151,17 @@ class DataSection:
     # (training.data.regen.REGEN_PACKAGES: installed from PyPI, nothing downloaded) in four kinds of
     # request, for more and more varied prompts than the corpus' ~3000.
     regen_sources: str = "stdlib"
+    # "magpie" (alone or mixed): requests written by the target itself from its chat template's
+    # user-turn prefix (training.data.magpie), filtered and de-duplicated, then answered like the
+    # others. Mixed with other sources it writes magpie_share of regen_prompts; sampled with
+    # magpie_temperature / magpie_top_p (Magpie's gen_ins.py defaults), from magpie_seed, requests
+    # of <= magpie_max_new_tokens tokens; near-duplicates: word 3-gram Jaccard >= the threshold.
+    magpie_share: float = 0.5
+    magpie_temperature: float = 1.0
+    magpie_top_p: float = 1.0
+    magpie_seed: int = 0
+    magpie_max_new_tokens: int = 128
+    magpie_dedup_threshold: float = 0.7
     # OpenAI-compatible servers of the target (comma-separated host:port or URLs; SGLang, vLLM,
     # llama-server): the regeneration goes to them (training.data.engine_regen, greedy, the same
     # prompts and max new tokens) instead of ``generate`` in this process.
@@ -425,7 +436,7 @@ def build_config(
     return config
 
 
-REGEN_SOURCES = ("stdlib", "packages")
+REGEN_SOURCES = ("stdlib", "packages", "magpie")
 EVAL_SPLITS = ("held_out", "train")
 EVAL_SETS = ("held_out", "train", "general")
 
@@ -456,6 +467,7 @@ def validate(config: RunConfig) -> None:
         "drafter.num_anchors": config.drafter.num_anchors,
         "train.log_every": config.train.log_every,
         "checkpoint.keep": config.checkpoint.keep,
+        "data.magpie_max_new_tokens": config.data.magpie_max_new_tokens,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -505,6 +517,20 @@ def validate(config: RunConfig) -> None:
             f"config key data.regen_sources: {config.data.regen_sources!r}: give a comma-separated subset of "
             f"{', '.join(REGEN_SOURCES)}"
         )
+    data = config.data
+    if not 0.0 < data.magpie_share < 1.0:
+        raise ConfigError(
+            f"config key data.magpie_share: {data.magpie_share} is not in (0, 1): the share of "
+            "data.regen_prompts that Magpie writes when it is mixed with other sources"
+        )
+    ranges = {
+        "data.magpie_temperature": (data.magpie_temperature, 2.0),
+        "data.magpie_top_p": (data.magpie_top_p, 1.0),
+        "data.magpie_dedup_threshold": (data.magpie_dedup_threshold, 1.0),
+    }
+    for key, (value, high) in ranges.items():
+        if not 0.0 < value <= high:
+            raise ConfigError(f"config key {key}: {value} is not in (0, {high:g}]")
     if config.model.kind == "pretrained" and not config.model.path:
         raise ConfigError("config key model.path: required when model.kind = 'pretrained' (a local folder)")
 

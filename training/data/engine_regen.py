@@ -187,10 +187,10 @@ class RequestError(Exception):
         self.kind, self.retry = kind, retry
 
 
-def chat(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One ``/v1/chat/completions`` call; ``RequestError`` says whether a retry may help."""
+def post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One JSON POST to ``url + path``; ``RequestError`` says whether a retry may help."""
     request = urllib.request.Request(
-        f"{url}/v1/chat/completions",
+        f"{url}{path}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", "Authorization": "Bearer none"},
         method="POST",
@@ -254,10 +254,15 @@ class Regenerator:
         return body
 
     def _ask(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.send("/v1/chat/completions", self._body(messages))
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` POSTed to ``path`` of the next server, retried on the next one after a failure
+        that a retry may mend, with exponential backoff."""
         attempt = 0
         while True:
             try:
-                return chat(self._url(), self._body(messages), self.settings.timeout_s)
+                return post(self._url(), path, body, self.settings.timeout_s)
             except RequestError as exc:
                 if not exc.retry or attempt >= self.settings.retries:
                     raise

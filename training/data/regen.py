@@ -13,6 +13,9 @@ the assistant turns replaced by its replies). Here:
 - Completions are the target's greedy continuation of each chat-templated prompt (its generation
   prompt included), batched with left padding through ``generate`` (KV cache), at most
   ``max_new_tokens`` tokens, ending at its EOS.
+- ``sources`` "magpie" (alone, or mixed: ``magpie_share`` of the count): requests the target
+  writes itself from its chat template's user-turn prefix (``training.data.magpie``), kept once
+  under the cache root, then answered greedily like the others (after the shipped ones).
 - The result, ``{"messages": [user, assistant]}`` records, is written once as JSONL under the
   trainer's cache root (atomically: a temp file renamed into place), keyed on the model folder,
   the prompts and the generation settings; the tokenizer renders it with the same chat template.
@@ -33,6 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from training.data.corpus import CORPUS_SHA256, shipped_sources
+from training.data.magpie import (
+    MagpieSettings,
+    Sample,
+    UserTurn,
+    magpie_path,
+    magpie_prompts,
+    sample_from_servers,
+    sample_in_process,
+    sampled_how,
+    user_turn,
+)
 from training.progress import Progress
 
 _MAX_DOC = 160  # characters of a docstring's first line in a prompt
@@ -131,6 +145,18 @@ def shipped_prompts(
     return prompts
 
 
+def source_counts(count: int, sources: str, magpie_share: float) -> tuple[int, int]:
+    """(shipped, Magpie) prompts of ``count``: Magpie alone writes them all, mixed with other
+    sources ``magpie_share`` of them (rounded), none without it."""
+    chosen = [part.strip() for part in sources.split(",")]
+    if "magpie" not in chosen:
+        return count, 0
+    if chosen == ["magpie"]:
+        return 0, count
+    magpie = round(count * magpie_share)
+    return count - magpie, magpie
+
+
 def regen_key(model_id: str, prompts: list[str], max_new_tokens: int, batch_size: int, dtype: str) -> str:
     """The cache key of a regenerated set: model, prompts, generation settings."""
     digest = hashlib.sha256()
@@ -155,6 +181,8 @@ def server_regen_folder(cache_dir: Path, model_id: str, prompts: list[str], max_
     ``complete`` when whole, ``SERVER_REGEN_FILE``: the replies in the prompts' order)."""
     return cache_dir / "regen" / f"server-{regen_key(model_id, prompts, max_new_tokens, 0, 'server')}"
 
+
+MAGPIE_DEFAULTS = MagpieSettings()
 
 # The replies in the prompts' order: servers answer concurrently, so ``regen.jsonl`` (append-only,
 # for the resume) holds them in the order they came back. The trainer reads this one, in the same
@@ -250,18 +278,38 @@ def regenerated_data(
     batch_size: int,
     dtype: str,
     sources: str = "stdlib",
+    magpie: MagpieSettings = MAGPIE_DEFAULTS,
+    magpie_share: float = 0.5,
     echo: Callable[[str], None] = print,
 ) -> Path:
     """The JSONL of the regenerated set (built once: ``load()`` gives (model, tokenizer)); its
     progress in tokens (``training.progress``)."""
-    prompts = shipped_prompts(count, sources)
+    loaded: list[tuple[Any, Any]] = []
+
+    def target() -> tuple[Any, Any]:
+        if not loaded:
+            with Progress("load_data", "loading the target to regenerate the data", 1, "models"):
+                loaded.append(load())
+        return loaded[0]
+
+    shipped, written = source_counts(count, sources, magpie_share)
+    prompts = shipped_prompts(shipped, sources)
+    if written:
+        where = magpie_path(cache_dir, model_id, written, magpie, sampled_how(batch_size, dtype, False))
+        prompts += magpie_prompts(
+            where,
+            written,
+            magpie,
+            lambda: user_turn(target()[1]),
+            lambda turn: (sample_in_process(*target(), turn, magpie, batch_size), batch_size),
+            echo,
+        )
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
     path = regen_path(cache_dir, model_id, prompts, max_new_tokens, batch_size, dtype)
     if path.is_file():
         return path
-    with Progress("load_data", "loading the target to regenerate the data", 1, "models"):
-        model, tokenizer = load()
+    model, tokenizer = target()
     echo(f"Regenerating the data: {len(prompts)} prompts, greedy replies of <= {max_new_tokens} tokens")
     started = time.monotonic()
     what = f"regenerating the data ({len(prompts)} greedy replies)"
@@ -292,16 +340,37 @@ def server_regenerated_data(
     servers: str,
     concurrency: int,
     sources: str = "stdlib",
+    magpie: MagpieSettings = MAGPIE_DEFAULTS,
+    magpie_share: float = 0.5,
+    turn: Callable[[], UserTurn] | None = None,
     echo: Callable[[str], None] = print,
 ) -> Path:
     """The regenerated set written by OpenAI-compatible servers of the target
     (``training.data.engine_regen``): the same shipped prompts, greedy replies of at most
     ``max_new_tokens`` tokens, as SpecForge conversations. Kept under the cache root keyed on the
     model and the prompts; an interrupted or failed regeneration resumes with what is done, and the
-    file is used once every prompt has a reply."""
-    from training.data.engine_regen import RegenError, RegenSettings, regenerate_file
+    file is used once every prompt has a reply. Magpie's requests (``sources``) are sampled
+    through the same servers, from the user-turn prefix ``turn()`` gives (the target's tokenizer)."""
+    from training.data.engine_regen import RegenError, RegenSettings, answering, base_url, regenerate_file
 
-    prompts = shipped_prompts(count, sources)
+    addresses = tuple(a.strip() for a in servers.replace(" ", ",").split(",") if a.strip())
+    shipped, written = source_counts(count, sources, magpie_share)
+    prompts = shipped_prompts(shipped, sources)
+    if written:
+        if turn is None:
+            raise ValueError("data.regen_sources: 'magpie' through servers needs the target's tokenizer")
+
+        def sampler(frame: UserTurn) -> tuple[Callable[[int, int], list[Sample]], int]:
+            urls = answering([base_url(a) for a in addresses])
+            if not urls:
+                raise RegenError(
+                    f"data.regen_servers: none of the servers answers ({', '.join(addresses)}); start "
+                    "them, check the addresses (as this machine sees them), then run again"
+                )
+            return sample_from_servers(urls, frame, magpie, concurrency), concurrency * len(urls)
+
+        where = magpie_path(cache_dir, model_id, written, magpie, sampled_how(0, "", True))
+        prompts += magpie_prompts(where, written, magpie, turn, sampler, echo)
     if not prompts:
         raise ValueError("data.regen_prompts: no prompts (must be >= 1)")
     folder = server_regen_folder(cache_dir, model_id, prompts, max_new_tokens)
@@ -322,7 +391,6 @@ def server_regenerated_data(
             encoding="utf-8",
         )
         tmp.replace(inputs)
-    addresses = tuple(a.strip() for a in servers.replace(" ", ",").split(",") if a.strip())
     where = ", ".join(addresses)
     echo(f"Regenerating the data through {where}: {len(prompts)} prompts, <= {max_new_tokens} tokens")
     settings = RegenSettings(

@@ -338,6 +338,7 @@ def data_cache_dir(config: RunConfig, default: Path) -> Path:
 def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Path:
     """The JSONL of ``data.regenerate``: shipped prompts, the target's greedy replies
     (``training.data.regen``), generated once per (model, prompts, settings) into the cache root."""
+    from training.data.magpie import MagpieSettings, user_turn
     from training.data.regen import regenerated_data, server_regenerated_data
 
     folder, _tok_dir = model_source(config)
@@ -354,6 +355,9 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
                 servers=config.data.regen_servers,
                 concurrency=config.data.regen_concurrency,
                 sources=config.data.regen_sources,
+                magpie=MagpieSettings.of(config.data),
+                magpie_share=config.data.magpie_share,
+                turn=lambda: user_turn(tokenizer),
                 echo=echo,
             )
         return regenerated_data(
@@ -365,33 +369,63 @@ def regenerate_data(config: RunConfig, tokenizer: Any, echo: Echo = print) -> Pa
             batch_size=config.data.regen_batch_size,
             dtype=f"{device.type}-{dtype}",
             sources=config.data.regen_sources,
+            magpie=MagpieSettings.of(config.data),
+            magpie_share=config.data.magpie_share,
             echo=echo,
         )
     except ValueError as exc:
         raise ConfigError(f"config key {exc}") from None
 
 
-def planned_regen_file(config: RunConfig) -> Path:
-    """The file ``data.regenerate`` trains on (it may not be generated yet), without building it."""
-    from training.data.regen import SERVER_REGEN_FILE, regen_path, server_regen_folder, shipped_prompts
+def planned_magpie_file(config: RunConfig) -> Path | None:
+    """Where ``data.regenerate`` keeps the requests Magpie writes for this config (its report
+    beside it: ``*.report.json``), None where ``data.regen_sources`` has no "magpie"."""
+    from training.data.magpie import MagpieSettings, magpie_path, sampled_how
+    from training.data.regen import source_counts
 
+    data = config.data
+    _shipped, written = source_counts(data.regen_prompts, data.regen_sources, data.magpie_share)
+    if not written:
+        return None
+    folder, _tok_dir = model_source(config)
+    model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
+    device = resolve_device(config.model.device)
+    dtype = f"{device.type}-{resolve_dtype(config.model.dtype, device)}"
+    how = sampled_how(data.regen_batch_size, dtype, bool(data.regen_servers))
+    cache = default_cache_dir(config.model.cache_dir)
+    return magpie_path(cache, model_id, written, MagpieSettings.of(data), how)
+
+
+def planned_regen_file(config: RunConfig) -> Path:
+    """The file ``data.regenerate`` trains on (it may not be generated yet), without building it;
+    with Magpie's requests not written yet, a ``missing`` path."""
+    from training.data.magpie import cached_prompts
+    from training.data.regen import (
+        SERVER_REGEN_FILE,
+        regen_path,
+        server_regen_folder,
+        shipped_prompts,
+        source_counts,
+    )
+
+    data = config.data
     folder, _tok_dir = model_source(config)
     model_id = Path(folder).name if config.model.kind in ("tiny", "smol") else folder
     cache = default_cache_dir(config.model.cache_dir)
-    prompts = shipped_prompts(config.data.regen_prompts, config.data.regen_sources)
-    if config.data.regen_servers:
-        found = server_regen_folder(cache, model_id, prompts, config.data.regen_max_new_tokens)
-        return found / SERVER_REGEN_FILE if (found / "complete").is_file() else found / "missing"
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    return regen_path(
-        cache,
-        model_id,
-        prompts,
-        config.data.regen_max_new_tokens,
-        config.data.regen_batch_size,
-        f"{device.type}-{dtype}",
-    )
+    dtype = f"{device.type}-{resolve_dtype(config.model.dtype, device)}"
+    shipped, _written = source_counts(data.regen_prompts, data.regen_sources, data.magpie_share)
+    prompts = shipped_prompts(shipped, data.regen_sources)
+    magpie_file = planned_magpie_file(config)
+    if magpie_file is not None:
+        magpie = cached_prompts(magpie_file)
+        if magpie is None:
+            return cache / "regen" / "missing"
+        prompts += magpie
+    if data.regen_servers:
+        found = server_regen_folder(cache, model_id, prompts, data.regen_max_new_tokens)
+        return found / SERVER_REGEN_FILE if (found / "complete").is_file() else found / "missing"
+    return regen_path(cache, model_id, prompts, data.regen_max_new_tokens, data.regen_batch_size, dtype)
 
 
 def data_report(config: RunConfig, tokenizer: Any, default_cache: Path):  # -> DataReport

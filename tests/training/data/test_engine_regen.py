@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import smol_chat_template
 
 from training.config import DataSection
 from training.data.dataset import load_tokenized
@@ -35,6 +36,7 @@ from training.data.engine_regen import (
     regenerate_file,
     side_paths,
 )
+from training.data.magpie import MagpieSettings, Sample, rejected, user_turn
 from training.data.regen import SERVER_REGEN_FILE, server_regenerated_data, shipped_prompts
 from training.model.tinymodel import train_tokenizer
 
@@ -192,6 +194,46 @@ def test_the_trainers_regenerated_set_is_in_the_prompts_order(server: Server, tm
         tmp_path, "smol", count=8, max_new_tokens=12, servers="127.0.0.1:1", concurrency=4, echo=lines.append
     )
     assert again == path and path.read_bytes() == before
+
+
+@pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
+def test_magpie_requests_through_the_servers_raw_completions(server: Server, tmp_path: Path) -> None:
+    """``data.regen_sources = "stdlib,magpie"`` through the server: SmolLM2 (the GGUF's own template
+    cut at the user turn) writes the Magpie half from the prefix (``/v1/completions``), every kept
+    request passes the filters, then all are answered; a second run sends nothing."""
+    tokenizer = train_tokenizer(["Write a Python function that returns a value.\n"] * 20, vocab_size=300)
+    tokenizer.chat_template = smol_chat_template()
+    turn = user_turn(tokenizer)
+    assert turn.prefix.endswith("<|im_start|>user\n") and turn.end == "<|im_end|>"
+    lines: list[str] = []
+    settings = MagpieSettings(max_new_tokens=64, seed=1)
+    kwargs = {"count": 6, "max_new_tokens": 12, "concurrency": 2, "sources": "stdlib,magpie"}
+    path = server_regenerated_data(
+        tmp_path, "smol", servers=server.url, magpie=settings, turn=lambda: turn, echo=lines.append, **kwargs
+    )
+    rows = [json.loads(line)["conversations"] for line in path.read_text().splitlines()]
+    requests = [row[0]["content"] for row in rows]
+    assert requests[:3] == shipped_prompts(3)
+    written = requests[3:]
+    assert len(written) == 3 and len(set(written)) == 3, lines
+    assert all(rejected(Sample(r, True), turn.markers) is None for r in written)
+    assert all(row[1]["role"] == "assistant" and row[1]["content"] for row in rows)
+    report = json.loads(next(tmp_path.glob("regen/magpie-*.report.json")).read_text())
+    assert (
+        report["kept"] == 3
+        and report["sampled"] >= 3
+        and any(ln.startswith("magpie: 3 requests") for ln in lines)
+    )
+    again = server_regenerated_data(
+        tmp_path,
+        "smol",
+        servers="127.0.0.1:1",
+        magpie=settings,
+        turn=lambda: turn,
+        echo=lines.append,
+        **kwargs,
+    )
+    assert again == path
 
 
 @pytest.mark.slow  # the llama.cpp build (once per machine, minutes on 2 cores)
