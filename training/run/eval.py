@@ -47,20 +47,24 @@ same figure (``tree_method``):
   (``follow_verified_tree``), keeps the accepted path's keys and values and drops the rest
   (``compact_dynamic_cache``: ``compact_cache``); the path's hidden states extend the drafter's
   context and the bonus token is the next root. transformers hands a 4D mask to SDPA unchanged
-  (``masking_utils._preprocess_mask_arguments``: "If the mask is already 4D, simply return as-is",
-  in the dev venv's 5.24 and in 4.5x-5.x alike), but a Gated DeltaNet or sliding-window layer
-  would mix siblings: only targets whose every layer is full attention (``keeps_kv_cache``).
+  (``masking_utils._preprocess_mask_arguments``: "If the mask is already 4D, simply return as-is";
+  read in the dev venv's 5.24, the same early return is in 4.5x releases; the train env's 5.8.1
+  not read), but a Gated DeltaNet or sliding-window layer would mix siblings, and FlashAttention
+  takes no such mask: only SDPA/eager targets whose every layer is full attention.
 - ``replay`` (the default, every target, the Qwen3.5/3.6 hybrid included): at temperature 0 the
   committed tokens are the target's greedy continuation whatever the tree, so a round anchored at
   generated position ``p`` accepts the longest prefix of ``y[p+1:]`` that is a path of its tree
   (``accepted_along``). One teacher-forced target pass over prompt + ``y`` gives every anchor's
   context, one drafter pass over every anchor (``DFlashDrafter.draft_hidden``, the lm_head in
   chunks) its top-``K`` (``K`` = the largest budget), and the rounds are replayed on the host
-  for every budget (``replay_acceptance``). ``y`` is the chain's ``generated``, extended by the
-  target's greedy tokens where a budget's last round reads further.
+  for every budget (``replay_acceptance``; ``verify_acceptance`` is the other way). ``y`` is the
+  chain's ``generated``, extended by the target's greedy tokens where a budget's last round reads
+  further.
 
 On a full-attention target both give the same taus (tests/training/run/test_eval.py), and replay at
-budget 0 gives the chain's. Both stop a prompt as the chain does (``max_new_tokens``, EOS).
+budget 0 gives the chain's. Both stop a prompt as the chain does (``max_new_tokens``, EOS). In bf16
+(GPU) the replay's one teacher-forced pass gives hidden states a few ulps off the rounds' own, so a
+drafter near-tie can flip: replay at budget 0 may then differ from the chain in a few rounds.
 """
 
 from __future__ import annotations
@@ -550,11 +554,15 @@ def evaluate_acceptance(
                 temperatures=temperatures,
             )
         elif budgets:
-            trees = tuple(
-                _verify_trees(
-                    target, drafter, prompts, target_layer_ids, max_new_tokens, eos_token_id, b, temperatures
-                )
-                for b in budgets
+            trees = verify_acceptance(
+                target,
+                drafter,
+                prompts,
+                target_layer_ids,
+                budgets,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                temperatures=temperatures,
             )
     finally:
         drafter.train(was_training)
@@ -573,29 +581,43 @@ def evaluate_acceptance(
     )
 
 
-def _verify_trees(
+@torch.no_grad()
+def verify_acceptance(
     target: Any,
     drafter: DFlashDrafter,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int]],
     layer_ids: Sequence[int],
+    budgets: Sequence[int],
+    *,
     max_new_tokens: int,
-    eos_token_id: int | None,
-    budget: int,
-    temperatures: Sequence[float] | None,
-) -> TreeAcceptance:
-    """DDTree acceptance of one budget by tree verification through the target's KV cache."""
-    runs = []
-    for prompt in prompts:
-        state = _Decoding(target, drafter, prompt, layer_ids, cached=True)
-        decoded = _decode(
-            int(state.anchor.item()),
-            max_new_tokens,
-            eos_token_id,
-            lambda state=state: state.tree(budget, temperatures),
-        )
-        if decoded is not None:
-            runs.append(decoded)
-    return _summarise(budget, runs, drafter.cfg.block_size)
+    eos_token_id: int | None = None,
+    temperatures: Sequence[float] | None = None,
+) -> tuple[TreeAcceptance, ...]:
+    """DDTree acceptance of every budget by tree verification through the target's KV cache (the
+    module docstring): one decode of every prompt per budget (0 = the chain as a tree). ``target``:
+    one ``tree_method_problem`` accepts for ``verify``."""
+    if problem := tree_method_problem(target, "verify"):
+        raise ValueError(problem)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        results = []
+        for budget in budgets:
+            runs = []
+            for prompt in prompts:
+                state = _Decoding(target, drafter, prompt, layer_ids, cached=True)
+                decoded = _decode(
+                    int(state.anchor.item()),
+                    max_new_tokens,
+                    eos_token_id,
+                    lambda state=state, budget=budget: state.tree(budget, temperatures),
+                )
+                if decoded is not None:
+                    runs.append(decoded)
+            results.append(_summarise(budget, runs, drafter.cfg.block_size))
+    finally:
+        drafter.train(was_training)
+    return tuple(results)
 
 
 def tree_records(result: AcceptanceResult) -> list[dict[str, Any]]:
