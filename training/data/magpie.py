@@ -19,10 +19,11 @@ from the requests it was aligned on. The rules here are those of ``exp/gen_ins.p
   same requests: in this process one ``torch`` seed per batch, through servers one ``seed`` per
   request (a server that batches requests may still not reproduce them bit for bit).
 
-Filters (the paper filters its released sets by length, repetition, language and quality tags,
-``data_sft/data_filter.ipynb``; the tags need a judge model, so here the rules that need none), in
-this order, each rejected request counted under its first reason: ``empty``; ``unfinished`` (no
-end of turn within ``max_new_tokens``: cut off, or a loop); ``too_short``; ``too_long``;
+Filters (``data_sft/data_filter.ipynb`` keeps a request a judge rates good or excellent, with a
+reward above -10, not ending in ":", and not the near-duplicate of another by embedding distance;
+the judges need other models, so here rules that need none), in this order, each rejected request
+counted under its first reason: ``empty``; ``unfinished`` (no end of turn within
+``max_new_tokens``: cut off, or a loop; or ending in ":", the notebook's rule); ``too_short``; ``too_long``;
 ``assistant_leak`` (a special token of the template, or a line that is a role name such as
 ``assistant:``, inside the request: the model went on to write the reply, ``gen_ins.py``'s
 ``stop_tokens_assistant``); ``non_text`` (control characters, or fewer than half of the
@@ -167,7 +168,7 @@ def rejected(sample: Sample, markers: Sequence[str] = ()) -> str | None:
     text = sample.text.strip()
     if not text:
         return "empty"
-    if not sample.finished:
+    if not sample.finished or text.endswith(":"):
         return "unfinished"
     if len(text) < MIN_CHARS:
         return "too_short"

@@ -89,6 +89,7 @@ def test_a_template_without_a_user_turn_is_one_config_error() -> None:
 CRAFTED = [
     ("", True, "empty"),
     ("How do I sort a list of tuples by their second element in Python?", False, "unfinished"),
+    ("Here are the three questions I have about my garden:", True, "unfinished"),
     ("Hi there", True, "too_short"),
     ("word " * 900, True, "too_long"),
     ("Tell me a joke.<|im_end|>\n<|im_start|>assistant\nWhy did", True, "assistant_leak"),
