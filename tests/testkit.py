@@ -663,16 +663,22 @@ def wait_status(
 # ------------------------------------------------------------------ benchmark scripts
 
 
-def benchmark_module(name: str) -> Any:
-    """``benchmarks/<name>.py`` imported as module ``name`` (the scripts are not a package)."""
+def script_module(path: str, name: str) -> Any:
+    """The repo's script ``path`` (relative to the repo) imported as module ``name`` (scripts such
+    as ``benchmarks/*.py`` and ``docs/generate.py`` are in no package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def benchmark_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` imported as module ``name``."""
+    return script_module(f"benchmarks/{name}.py", name)
 
 
 # ------------------------------------------------------------------ tiny models and configs

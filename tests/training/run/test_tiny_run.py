@@ -77,14 +77,16 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
         assert all(
             t["rounds"] == sum(t["hist"]) > 0 and t["tree_size_mean"] <= t["budget"] for t in e["tree"]
         )
-    assert evals[1]["tree"] == evals[0]["tree"]  # the same checkpoint, the same figures
+    # the same checkpoint, the same figures: each set's tree as the end of training measured it
+    assert [e["tree"] for e in evals[2:]] == [e["tree"] for e in evals[:2]]
     # with the cost measured, the one table has its times and modelled speedups (the best marked)
     table = evaluate.stdout.splitlines()
     header = next(i for i, ln in enumerate(table) if ln.split()[:4] == ["budget", "tau", "x", "chain"])
     assert table[header].split()[4:] == ["tree", "verify", "ms", "speedup"]
     assert [ln.split()[0] for ln in table[header + 1 : header + 5]] == ["chain", "16", "64", "256"]
-    assert "tree_cost" not in evals[0]  # the training's eval on the CPU: auto is off
-    cost = evals[1]["tree_cost"]
+    assert not any("tree_cost" in e for e in evals[:2])  # the training's eval on the CPU: auto is off
+    cost = evals[2]["tree_cost"]
+    assert evals[3]["tree_cost"]["t_verify_s"] == cost["t_verify_s"]  # measured once per process
     assert set(cost["t_verify_s"]) == set(cost["speedup"]) == {"0", "16"} and cost["device"] == "cpu"
     assert cost["best_budget"] in (0, 16) and "<- best" in evaluate.stdout
 

@@ -8,8 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from testkit import script_module
 
-from fleet import docs, inventory
+from fleet import inventory
+
+docs = script_module("docs/generate.py", "docs_generate")
 
 REPO = docs.REPO
 PAGES = sorted(
