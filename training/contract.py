@@ -319,6 +319,17 @@ OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+def retry_pending(last_attempt: Mapping[str, Any], launched_at: float | None) -> bool:
+    """The restart policy's back-off, from the last line of ``ATTEMPTS_FILE`` and the live
+    attempt's ``LAUNCHED_AT_FILE`` (None: not known): the wrapper recorded a retry after that
+    attempt started and the next one has not started yet. ``fab status`` says ``restarted`` then,
+    and the notifier's watcher counts it as a wait, not a stall."""
+    ended = last_attempt.get("ts")
+    if last_attempt.get("retry") is not True or isinstance(ended, bool) or not isinstance(ended, int | float):
+        return False
+    return launched_at is None or ended >= launched_at
+
+
 def eval_set(event: Mapping[str, Any]) -> str:
     """The eval set an ``eval`` event measured: ``set``; an event written before it had ``split``
     alone, or neither (then the held-out split, the one set there was)."""

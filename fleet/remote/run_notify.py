@@ -42,6 +42,7 @@ from training.contract import (
     NOTIFY_TARGET_ENV,
     NOTIFY_URL_ENV,
     VARIABLE_PREFIX,
+    retry_pending,
 )
 
 # Bounded, so a hanging webhook or command cannot hold the wrapper's notifier for long.
@@ -159,14 +160,13 @@ def activity(run_dir: Path) -> float:
 
 
 def between_attempts(run_dir: Path) -> bool:
-    """The restart policy's back-off: the wrapper recorded a retry after the attempt it ran last
-    started (``fab status`` says ``restarted``): a wait, not a stall."""
+    """The restart policy's back-off (``retry_pending``): a wait, not a stall."""
     try:
         last = json.loads((run_dir / ATTEMPTS_FILE).read_text().splitlines()[-1])
         started = float((run_dir / LAUNCHED_AT_FILE).read_text())
     except (OSError, ValueError, IndexError):
         return False
-    return isinstance(last, dict) and last.get("retry") is True and float(last.get("ts", 0)) >= started
+    return isinstance(last, dict) and retry_pending(last, started)
 
 
 def watch(run_dir: Path, stall_s: float) -> int:

@@ -78,6 +78,7 @@ from training.contract import (
     eval_set,
     find_bucket_table,
     parse_events,
+    retry_pending,
     tree_figures,
 )
 
@@ -488,12 +489,8 @@ def _final_event(ev: Mapping[str, Any]) -> bool:
 
 
 def between_attempts(facts: RunFacts) -> bool:
-    """The restart policy's back-off: the live attempt ended and the wrapper recorded a retry
-    (attempts.jsonl) after that attempt started; the next one has not started yet."""
-    if not facts.alive or not facts.attempts or facts.attempts[-1].get("retry") is not True:
-        return False
-    ended = _num(facts.attempts[-1].get("ts"))
-    return ended is not None and (facts.launched_at is None or ended >= facts.launched_at)
+    """The restart policy's back-off while the run lives (``training.contract.retry_pending``)."""
+    return bool(facts.alive and facts.attempts and retry_pending(facts.attempts[-1], facts.launched_at))
 
 
 def derive_state(
