@@ -14,7 +14,7 @@
 #             (benchmarks/tree_bench.py cost --config qwen3.6-27b-random: the 27B-shape hybrid's curve)
 #   campaign  install the wheels, then in the background: benchmarks/magpie_bench.py all at the recipe's
 #             size (15,000 prompts, 3,000 steps): the pools regenerated at once, the arms (ARMS, default
-#             base,mix50; LEVER, default DDTree's gamma lever) trained and evaluated at once (held-out +
+#             base,mix50; LEVERS, default DDTree's gamma and label-smoothing levers) trained and evaluated at once (held-out +
 #             general, DDTree budgets 16-512); then alone on the GPU the base arm's eval with the cost
 #             curve, its export, DDTree's calibration lever and (VERIFY=1) tree verification against
 #             replay. Pools carried back in .whl/pools/pools.tgz are put back first (no regeneration).
@@ -133,10 +133,13 @@ tree_job() {  # DDTree on the recipe's drafter: the calibration lever, tree veri
 campaign_job() {  # phase times in $C/job.log; each arm's in $C/results.json
     stamp() { echo "[campaign $(date -u +%H:%M:%S)] $*"; }
     export PYTHONPATH="$SITE" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    local budgets=16,32,64,128,256,512
+    local budgets=16,32,64,128,256,512 levers=() lever
+    for lever in ${LEVERS:-gamma12=--drafter.gamma=12 ls01=--drafter.label_smoothing=0.1}; do
+        levers+=(--lever "$lever")
+    done
     stamp "arms start"
     python3 benchmarks/magpie_bench.py all --out "$C" --size 15000 --steps 3000 --arms "${ARMS:-base,mix50}" \
-        --lever "${LEVER:-gamma12=--drafter.gamma=12}" --budgets "$budgets" --shards 1 --base-shards 2 \
+        "${levers[@]}" --budgets "$budgets" --shards 1 --base-shards 2 \
         --parallel "${PARALLEL:-4}" --eval-prompts 64
     stamp "arms exit=$?"
     # alone on the GPU: the base arm's held-out eval with the cost of each budget (its event), export
