@@ -388,7 +388,11 @@ def cmd_all(args: argparse.Namespace) -> None:
     levers = dict(parse_lever(text) for text in args.lever)
     if levers and "base" not in names:
         names.insert(0, "base")  # a lever trains on the base arm's rows and is judged against it
-    pools = regenerate_pools(args, pool_plan(names, args.size, args.shards, args.base_shards))
+    later = [n for n in args.pools_for.split(",") if n]  # pools regenerated now, their arms trained later
+    for name in later:
+        if name not in ARMS:
+            raise SystemExit(f"--pools-for: unknown arm {name!r}: one of {', '.join(ARMS)}")
+    pools = regenerate_pools(args, pool_plan(names + later, args.size, args.shards, args.base_shards))
     base, magpie = pool_rows(pools)
     q.save(args.out, "pools", {**pools, "magpie_total": merged_magpie(pools)})
     heldout = args.out / "heldout.jsonl"

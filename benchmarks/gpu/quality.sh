@@ -139,6 +139,7 @@ campaign_job() {  # phase times in $C/job.log; each arm's in $C/results.json
     done
     stamp "arms start"
     python3 benchmarks/magpie_bench.py all --out "$C" --size 15000 --steps 3000 --arms "${ARMS:-base,mix50}" \
+        --pools-for "${POOLS_FOR:-}" \
         "${levers[@]}" --budgets "$budgets" --shards 2 --base-shards 2 \
         --parallel "${PARALLEL:-4}" --eval-prompts 64
     stamp "arms exit=$?"
