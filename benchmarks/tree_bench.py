@@ -37,8 +37,10 @@ training export`` puts in ``ddtree.json``.
 CONFIG`` with the ``--set`` overrides and the arm's, in ``OUT/NAME``), evaluates each on the
 held-out prompts (``python -m training eval``, ``--eval-set`` overrides, e.g. 64 prompts) and
 reports each arm's chain and tree taus against the first arm's with the same verdict. The trainer's
-lever of the loss's weighting across block positions is ``drafter.gamma`` (offset k weighs
-exp(-(k-1)/gamma)); it has no label smoothing or entropy term.
+levers of the loss: ``drafter.gamma``, its weighting across block positions (offset k weighs
+exp(-(k-1)/gamma)), and ``drafter.label_smoothing``, the CE's label smoothing eps (the target
+(1 - eps) * onehot + eps / V: probability kept on the alternatives beyond the top-1 that the tree
+drafts; e.g. ``--arm "ls01=--drafter.label_smoothing=0.1"``); it has no entropy term.
 """
 
 from __future__ import annotations

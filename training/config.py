@@ -98,6 +98,12 @@ class DrafterSection:
     full_attention_layers: tuple[int, ...] = (4,)  # the others slide over sliding_window
     gamma: float = 7.0
     loss_chunk_size: int = 2048
+    # Label smoothing eps of the block CE, in [0, 1): each position's target is (1 - eps) * its
+    # token + eps / vocab (F.cross_entropy's label_smoothing), so the drafter ranks the tokens
+    # beyond its top-1, which DDTree's tree drafts, instead of pushing them all to zero. A lever
+    # of the tree's acceptance, judged by benchmarks/tree_bench.py and magpie_bench.py arms
+    # (e.g. --drafter.label_smoothing=0.1); 0 = the plain CE.
+    label_smoothing: float = 0.0
     target_layer_ids: tuple[int, ...] = ()  # () = DFlash's rule: 5 layers spread over the depth
     num_target_layers: int = 5
     # The reserved token whose frozen target embedding is MASK (-1 = the target config's
@@ -474,6 +480,11 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"config key {key}: must be > 0, got {value}")
     if config.drafter.block_size < 2:
         raise ConfigError(f"config key drafter.block_size: must be >= 2, got {config.drafter.block_size}")
+    if not 0.0 <= config.drafter.label_smoothing < 1.0:
+        raise ConfigError(
+            f"config key drafter.label_smoothing: {config.drafter.label_smoothing} is not in [0, 1) "
+            "(0 = no smoothing; e.g. 0.1)"
+        )
     if config.data.token_budget < config.data.max_length:
         raise ConfigError(
             f"config key data.token_budget ({config.data.token_budget}) must be >= data.max_length "

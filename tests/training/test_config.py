@@ -67,6 +67,7 @@ def test_overrides_are_coerced_to_the_field_type() -> None:
     assert config.train.steps == 7 and config.train.lr == 1e-4
     assert config.wandb.enabled is True
     assert config.drafter.full_attention_layers == (0, 1)
+    assert load_config("tiny-cpu", ["--drafter.label_smoothing=0.1"]).drafter.label_smoothing == 0.1
     assert load_config("tiny-cpu", ["--model.path=/x/y"]).model.path == "/x/y"
     budgets = load_config("tiny-cpu", ["--eval.tree_budgets=16,32,64,128,256,512"]).eval.tree_budgets
     assert budgets == (16, 32, 64, 128, 256, 512)
@@ -90,6 +91,9 @@ def test_overrides_are_coerced_to_the_field_type() -> None:
         ("--eval.tree_method=beam", "eval.tree_method"),
         ("--eval.tree_cost=sometimes", "eval.tree_cost"),
         ("--eval.tree_cost_budgets=0,16,16", "eval.tree_cost_budgets"),
+        ("--drafter.label_smoothing=1", "drafter.label_smoothing"),
+        ("--drafter.label_smoothing=-0.1", "drafter.label_smoothing"),
+        ("--drafter.label_smoothing=nan", "drafter.label_smoothing"),
     ],
 )
 def test_bad_overrides_name_the_key(override: str, names: str) -> None:

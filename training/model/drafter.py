@@ -83,6 +83,7 @@ class DrafterConfig:
     full_attention_layers: tuple[int, ...] = _RUN.full_attention_layers  # the others slide
     gamma: float = _RUN.gamma  # loss weight exp(-(k-1)/gamma) for block offset k
     loss_chunk_size: int = _RUN.loss_chunk_size  # positions per lm_head+CE chunk
+    label_smoothing: float = _RUN.label_smoothing  # eps of the block CE (training.model.loss)
     rms_norm_eps: float = 1e-6
     rope_theta: float = _RUN.rope_theta
     num_target_layers: int = _RUN.num_target_layers  # n target hidden states fused (no target_layer_ids)
@@ -118,6 +119,8 @@ class DrafterConfig:
             )
         if self.gamma <= 0:
             raise ValueError(f"drafter.gamma={self.gamma} must be > 0")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"drafter.label_smoothing={self.label_smoothing} must be in [0, 1)")
         sliding = len(set(self.full_attention_layers)) < self.num_layers
         if sliding and self.sliding_window < self.block_size:
             raise ValueError(
@@ -516,6 +519,7 @@ class DFlashDrafter(nn.Module):
             gamma=cfg.gamma,
             chunk_size=cfg.loss_chunk_size,
             compiled=self.compile_mode,
+            label_smoothing=cfg.label_smoothing,
         )
         acc = result.acc_per_offset
         return DraftOutput(

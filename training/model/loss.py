@@ -7,6 +7,13 @@ weighted mean over every labelled position in the batch:
 
     loss = sum_i w(k_i) * CE(logits_i, label_i) / sum_i w(k_i)
 
+With label smoothing ``eps`` (``drafter.label_smoothing``; 0 = the plain CE above) each row's CE
+is taken against ``(1 - eps) * onehot(label) + eps / V`` instead of the one-hot, PyTorch's
+definition (``F.cross_entropy(..., label_smoothing=eps)``): ``(1 - eps) * CE(label) + eps *
+mean_v(-log p_v)``, whose gradient w.r.t. the logits is ``softmax - ((1 - eps) * onehot + eps / V)``.
+It spreads probability over the alternatives beyond the top-1, which DDTree's tree ranks
+(``training/run/tree.py``); accuracy and the tau estimate below stay argmax figures.
+
 The shared lm_head and the cross-entropy run in chunks of ``chunk_size`` positions, and each
 chunk's gradient is computed in the same pass (``_LinearCrossEntropy``): only one chunk's
 [chunk x vocab] logits exist at a time (its bf16 matmul output and one float32 copy, turned
@@ -82,14 +89,16 @@ def tau_from_accuracy(acc: Tensor | list[float]) -> float:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """``sum_i w_i * CE(lm_head(h_i), y_i)`` over chunks of rows, with the gradients of ``h`` (and
-    of the lm_head's weight and bias, where they require one) computed chunk by chunk in the
-    forward; also returns the rows' ``argmax == label`` flags (not differentiable).
+    """``sum_i w_i * CE(lm_head(h_i), y_i)`` (label-smoothed by ``smoothing``) over chunks of
+    rows, with the gradients of ``h`` (and of the lm_head's weight and bias, where they require
+    one) computed chunk by chunk in the forward; also returns the rows' ``argmax == label``
+    flags (not differentiable).
 
     Per chunk: logits in the weight's dtype (the lm_head's own matmul), one float32 copy for
     logsumexp, label logit and argmax; then, when a gradient is needed, that copy becomes
-    ``w * (softmax - onehot)`` in place and is multiplied back through the weight. The
-    backward multiplies the saved gradients by the incoming scalar."""
+    ``w * (softmax - onehot)`` in place (``onehot`` smoothed: ``(1 - eps) * onehot + eps / V``)
+    and is multiplied back through the weight. The backward multiplies the saved gradients by
+    the incoming scalar."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -102,6 +111,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         want_grad: bool,
         compiled: str | None,
+        smoothing: float,
     ) -> tuple[Tensor, Tensor]:
         need_h = want_grad and ctx.needs_input_grad[0]
         need_w = want_grad and ctx.needs_input_grad[1]
@@ -121,7 +131,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             y = labels[start:stop, None]
             w = row_weights[start:stop, None].float()
             if fused is not None and stop - start == chunk_size:
-                part, correct[start:stop], grad_logits = fused(F.linear(h, weight, bias), y, w, need_h)
+                logits = F.linear(h, weight, bias)
+                part, correct[start:stop], grad_logits = fused(logits, y, w, need_h, smoothing)
                 total += part
                 if grad_h is not None:
                     grad_h[start:stop] = grad_logits @ weight
@@ -129,13 +140,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight, bias).float()  # [c, V]: the one float32 copy
             correct[start:stop] = logits.argmax(dim=-1) == y[:, 0]
             picked = logits.gather(1, y)
+            if smoothing:  # the target's mean logit: (1 - eps) * the label's + eps * the mean over V
+                picked = picked.lerp_(logits.mean(dim=-1, keepdim=True), smoothing)
             top = logits.amax(dim=-1, keepdim=True)
             exp = logits.sub_(top).exp_()  # in place: exp(logit - max)
             norm = exp.sum(dim=-1, keepdim=True)
-            total += ((top + norm.log() - picked) * w).sum()  # logsumexp - label logit
+            total += ((top + norm.log() - picked) * w).sum()  # logsumexp - the target's mean logit
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
-            grad = exp.mul_(w / norm).scatter_add_(1, y, -w)  # w * (softmax - onehot), in place
+            if smoothing:  # w * (softmax - (1 - eps) * onehot - eps / V), in place
+                grad = exp.mul_(w / norm).sub_(w * (smoothing / exp.shape[1]))
+                grad.scatter_add_(1, y, w * (smoothing - 1.0))
+            else:
+                grad = exp.mul_(w / norm).scatter_add_(1, y, -w)  # w * (softmax - onehot), in place
             grad_logits = grad.to(weight.dtype)
             if grad_h is not None:
                 grad_h[start:stop] = grad_logits @ weight
@@ -156,20 +173,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             (g * grad_total).to(dtype) if present else None
             for g, present, dtype in zip(saved, ctx.present, ctx.dtypes, strict=True)
         ]
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None
 
 
 def softmax_chunk(
-    logits: Tensor, labels: Tensor, row_weights: Tensor, want_grad: bool
+    logits: Tensor, labels: Tensor, row_weights: Tensor, want_grad: bool, smoothing: float = 0.0
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One chunk of ``_LinearCrossEntropy`` after its lm_head matmul, written to be compiled:
     (``sum_i w_i * CE``, ``argmax == label`` [c], ``w * (softmax - onehot)`` in the logits' dtype
-    or None). logits [c, V], labels [c, 1], row_weights [c, 1] float32. The float32 logits, the
-    exponentials and the gradient are never all in memory: the compiler fuses them into a
-    reduction pass and a pointwise pass over the logits."""
+    or None), ``onehot`` smoothed to ``(1 - eps) * onehot + eps / V`` by ``smoothing`` = eps (a
+    constant of the run: the compiled graph specialises on it). logits [c, V], labels [c, 1],
+    row_weights [c, 1] float32. The float32 logits, the exponentials and the gradient are never
+    all in memory: the compiler fuses them into a reduction pass and a pointwise pass over the
+    logits."""
     lf = logits.float()
     correct = lf.argmax(dim=-1) == labels[:, 0]
     picked = lf.gather(1, labels)
+    if smoothing:
+        picked = picked.lerp(lf.mean(dim=-1, keepdim=True), smoothing)
     top = lf.amax(dim=-1, keepdim=True)
     exp = (lf - top).exp()
     norm = exp.sum(dim=-1, keepdim=True)
@@ -177,7 +198,10 @@ def softmax_chunk(
     if not want_grad:
         return total, correct, None
     onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == labels
-    grad = (exp / norm - onehot.to(lf.dtype)) * row_weights
+    target = onehot.to(lf.dtype)
+    if smoothing:
+        target = target * (1.0 - smoothing) + smoothing / lf.shape[1]
+    grad = (exp / norm - target) * row_weights
     return total, correct, grad.to(logits.dtype)
 
 
@@ -202,15 +226,17 @@ def linear_cross_entropy(
     row_weights: Tensor,
     chunk_size: int,
     compiled: str | None = None,
+    label_smoothing: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(``sum_i w_i * CE(lm_head(h_i), y_i)`` float32 scalar, [M] bool ``argmax == y``) of rows
     ``hidden`` [M, H], ``chunk_size`` rows at a time (``_LinearCrossEntropy``); ``compiled``: a
-    compile mode for the full chunks' softmax (``softmax_chunk``), None = eager."""
+    compile mode for the full chunks' softmax (``softmax_chunk``), None = eager;
+    ``label_smoothing``: eps of the smoothed CE (module docstring), 0 = plain CE."""
     weight = lm_head.weight
     bias = getattr(lm_head, "bias", None)
     inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
     want_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)  # not in eval/no_grad
-    args = (hidden, weight, bias, labels, row_weights, chunk_size, want_grad, compiled)
+    args = (hidden, weight, bias, labels, row_weights, chunk_size, want_grad, compiled, label_smoothing)
     return _LinearCrossEntropy.apply(*args)
 
 
@@ -224,15 +250,19 @@ def block_loss(
     gamma: float,
     chunk_size: int,
     compiled: str | None = None,
+    label_smoothing: float = 0.0,
 ) -> BlockLoss:
     """Weighted, chunked block CE.
 
     hidden [N, Q, H] (Q = K*block_size, block-major), labels [N, Q] long, label_mask [N, Q]
     bool (offset 0 and unlabelled positions False). ``chunk_size`` counts positions.
-    ``lm_head``: a linear layer (``weight`` [V, H], optional ``bias``).
+    ``lm_head``: a linear layer (``weight`` [V, H], optional ``bias``). ``label_smoothing``: eps
+    in [0, 1) of the smoothed CE (module docstring); 0 = plain CE.
     """
     if chunk_size < 1:
         raise ValueError(f"block_loss: chunk_size={chunk_size} must be >= 1")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"block_loss: label_smoothing={label_smoothing} must be in [0, 1)")
     n, q_len, _ = hidden.shape
     offsets = (torch.arange(q_len, device=hidden.device) % block_size).expand(n, q_len)
     mask = label_mask.bool() & (offsets > 0)
@@ -247,7 +277,9 @@ def block_loss(
     if m == 0:
         zero = hidden.sum() * 0.0
         return BlockLoss(loss=zero, correct=torch.zeros_like(count), count=count)
-    total, correct_flags = linear_cross_entropy(flat_h, lm_head, flat_labels, flat_w, chunk_size, compiled)
+    total, correct_flags = linear_cross_entropy(
+        flat_h, lm_head, flat_labels, flat_w, chunk_size, compiled, label_smoothing
+    )
     correct = torch.bincount(flat_off[correct_flags] - 1, minlength=block_size - 1)[: block_size - 1]
     loss = total / flat_w.sum()
     accepted, blocks = accept_lengths(mask, correct_flags, block_size)

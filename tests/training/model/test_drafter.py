@@ -195,6 +195,43 @@ def test_flex_backend_gives_the_same_loss_as_blockwise() -> None:
     torch.testing.assert_close(losses[2], losses[0], rtol=1e-5, atol=1e-5)
 
 
+def test_the_run_configs_label_smoothing_reaches_the_drafters_loss() -> None:
+    """[drafter] label_smoothing -> DrafterConfig (training.run.core.drafter_config) -> the
+    block loss of the drafter's forward; a value outside [0, 1) names the key (a run config's:
+    tests/training/test_config.py)."""
+    from training.config import load_config
+    from training.model.loss import block_loss
+    from training.run.core import drafter_config
+
+    assert drafter_config(load_config("tiny-cpu", ["--drafter.label_smoothing=0.1"])).label_smoothing == 0.1
+    with pytest.raises(ValueError, match=r"drafter\.label_smoothing=1\.0"):
+        DrafterConfig(label_smoothing=1.0)
+    target = tiny_target()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    loss_mask = torch.ones(2, 24, dtype=torch.bool)
+    anchors = sample_anchors(loss_mask, torch.tensor([24, 20]), 8, torch.Generator().manual_seed(0))
+    losses = {}
+    with torch.no_grad():
+        for eps in (0.0, 0.1):
+            drafter = tiny_drafter(target, label_smoothing=eps)
+            th = hidden_of(target, ids, drafter.target_layer_ids)
+            losses[eps] = drafter(ids, th, loss_mask, anchors).loss
+        labels, label_mask = block_labels(ids, loss_mask, anchors, 4)
+        hidden = drafter.block_hidden(ids, th, anchors)
+        ref = block_loss(
+            hidden,
+            labels,
+            label_mask,
+            drafter.lm_head,
+            block_size=4,
+            gamma=drafter.cfg.gamma,
+            chunk_size=16,
+            label_smoothing=0.1,
+        )
+    torch.testing.assert_close(losses[0.1], ref.loss)
+    assert abs(losses[0.1].item() - losses[0.0].item()) > 1e-3
+
+
 def test_drafter_fits_a_fixed_tiny_batch() -> None:
     target = tiny_target()
     drafter = tiny_drafter(target)

@@ -271,3 +271,85 @@ def test_tau_estimate_is_the_per_block_run_of_correct_drafts() -> None:
     assert (out.accepted, out.blocks) == (2, 3)
     assert out.tau_estimate == pytest.approx(1.0 + float(ref.mean()))
     assert tau_from_accuracy(out.acc_per_offset) > out.tau_estimate  # the product overstates it
+
+
+def _smoothed_reference(
+    hidden: Tensor, labels: Tensor, label_mask: Tensor, lm_head: nn.Module, eps: float
+) -> Tensor:
+    """The smoothed block loss in one piece: ``F.cross_entropy(..., label_smoothing=eps)`` of every
+    labelled position's float32 logits, weighted by offset and normalised as ``block_loss``."""
+    offsets = (torch.arange(labels.shape[1]) % 4).expand_as(labels)
+    mask = label_mask & (offsets > 0)
+    logits = lm_head(hidden[mask]).float()
+    ce = F.cross_entropy(logits, labels[mask], reduction="none", label_smoothing=eps)
+    weights = offset_weights(4, 7.0)[offsets[mask]]
+    return (ce * weights).sum() / weights.sum()
+
+
+@pytest.mark.parametrize(
+    ("eps", "bias", "frozen"),
+    [(0.0, False, True), (0.1, False, True), (0.0, True, False), (0.1, True, False)],
+)
+def test_label_smoothing_equals_torch_cross_entropy_and_its_gradients(
+    eps: float, bias: bool, frozen: bool
+) -> None:
+    """``label_smoothing`` = eps: the loss and the gradients of the hidden states and (when it
+    needs one) the lm_head are those autograd gives ``F.cross_entropy(label_smoothing=eps)``;
+    chunks of 7 leave a shorter last chunk."""
+    hidden, labels, mask, lm_head = _problem(11, bias)
+    lm_head.requires_grad_(not frozen)
+    results = []
+    for smoothed in (True, False):
+        h = hidden.clone().requires_grad_(True)
+        lm_head.zero_grad(set_to_none=True)
+        if smoothed:
+            out = block_loss(
+                h, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=7, label_smoothing=eps
+            )
+            assert out.labelled % 7 != 0 and out.labelled > 7
+            loss = out.loss
+        else:
+            loss = _smoothed_reference(h, labels, mask, lm_head, eps)
+        (loss * 3.0).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in lm_head.parameters()]
+        results.append((loss.detach(), h.grad.clone(), grads))
+    (loss, grad_h, grads), (ref_loss, ref_grad_h, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_h, ref_grad_h, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got is None) == (want is None) == frozen
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_changes_the_loss_not_the_accuracy() -> None:
+    """Smoothing raises the loss of a confident drafter (it pays for the mass it keeps off the
+    alternatives), and the argmax figures stay those of the unsmoothed loss."""
+    hidden, labels, mask, lm_head = _problem(12)
+    plain, smoothed = (
+        block_loss(hidden, labels, mask, lm_head, block_size=4, gamma=7.0, chunk_size=5, label_smoothing=eps)
+        for eps in (0.0, 0.2)
+    )
+    assert smoothed.loss.item() != pytest.approx(plain.loss.item(), rel=1e-3)
+    assert torch.equal(smoothed.correct, plain.correct) and torch.equal(smoothed.count, plain.count)
+    assert (smoothed.accepted, smoothed.blocks) == (plain.accepted, plain.blocks)
+
+
+def test_the_fused_softmax_chunk_with_label_smoothing_equals_cross_entropy() -> None:
+    """``softmax_chunk``'s smoothed loss and gradient (what the compiled full chunks run) against
+    ``F.cross_entropy(label_smoothing=0.1)`` and the gradient autograd gives it, in float32."""
+    from training.model.loss import softmax_chunk
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 50, generator=g) * 4
+    labels = torch.randint(0, 50, (9, 1), generator=g)
+    weights = torch.rand(9, 1, generator=g)
+    total, correct, grad = softmax_chunk(logits, labels, weights, True, 0.1)
+    ref_logits = logits.clone().requires_grad_(True)
+    ce = F.cross_entropy(ref_logits, labels[:, 0], reduction="none", label_smoothing=0.1)
+    ref_total = (ce * weights[:, 0]).sum()
+    ref_total.backward()
+    torch.testing.assert_close(total, ref_total.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, logits.argmax(dim=-1) == labels[:, 0])
+    assert grad is not None
+    torch.testing.assert_close(grad, ref_logits.grad, rtol=1e-5, atol=1e-6)
