@@ -46,7 +46,7 @@ SETUP_HINT = "test host not set up: run tests/hosts/setup"
 LONGEST_MODULES = (
     "tests/e2e/test_lifecycle_e2e.py",  # 259 s
     "tests/e2e/test_fresh_machine.py",  # 252 s (its container's CPU besides)
-    "tests/training/run/test_smol.py",  # 223 s (~200 s with 8 eval tokens)
+    "tests/training/run/test_smol.py",  # 223 s (~185 s after its cuts: still beside the first)
     "tests/e2e/test_multihost_e2e.py",  # 217 s
     "tests/training/test_topology.py",  # 206 s
     "tests/training/compile/test_compile_cache.py",  # 173 s
