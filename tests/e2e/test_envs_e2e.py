@@ -11,6 +11,8 @@ import dataclasses
 import json
 import re
 import subprocess
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,6 +24,8 @@ from fleet.inventory import load_inventory
 from fleet.target import open_target
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
@@ -40,6 +44,14 @@ def imports(hosts: TestHost, envs_dir: str) -> int:
     probe = f"{envs_dir}/smoke/current/fleet-env/env_probe.py"
     python = f"{envs_dir}/smoke/current/bin/python"
     return ct(hosts, python, "-I", probe, "verify", "--import", "six", "--import", "idna").returncode
+
+
+def wait_until(ready: Callable[[], bool], what: str, limit: float = 300) -> None:
+    """Poll ``ready`` until it holds; a hang guard, not a timed assertion."""
+    deadline = time.monotonic() + limit
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not within {limit:.0f} s"
+        time.sleep(0.2)
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -133,26 +145,42 @@ def test_env_build_drift_rebuild_fail_rollback(remote_fleet: RemoteFleet) -> Non
     assert {third[3:], second[3:]} <= left and first[3:] not in left, gc.stdout
 
 
-def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet) -> None:
+def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet, tmp_path: Path) -> None:
     """Three `fab deploy` at once into a workdir without the env: one builds it, the others wait
-    for that build under the env's lock and reuse it; one build on disk, no stale lock."""
+    for that build under the env's lock and reuse it; one build on disk, no stale lock.
+
+    The test holds the env's build lock (fleet's own lock script) until all three deploys say
+    they wait for it: however fast each deploy starts, all three meet at the lock."""
     fleet, hosts = remote_fleet, remote_fleet.hosts
     envs_dir = f"{fleet.workdir}/envs"
+    lock = f"{envs_dir}/.build-smoke.lock"
     fleet.write(env="smoke")
-    procs = [
-        testkit.fab_popen(
-            "deploy", config=fleet.config, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
+    script = (testkit.REPO / "fleet/remote/env_lock.sh").read_text()
+    holder = subprocess.Popen(
+        [hosts.pct, "exec", str(hosts.ct_id), "--", "sh", "-c", script, "env_lock.sh", lock, "test"],
+        stdin=subprocess.PIPE,
+    )
+    logs = [tmp_path / f"deploy-{i}.log" for i in range(3)]
+    try:
+        wait_until(lambda: ct(hosts, "cat", "--", lock).stdout.strip() == "test", "the test's lock")
+        procs = []
+        for log in logs:
+            with log.open("w") as out:
+                procs.append(
+                    testkit.fab_popen("deploy", config=fleet.config, stdout=out, stderr=subprocess.STDOUT)
+                )
+        waiting = "another deploy is building env smoke"
+        wait_until(lambda: all(waiting in log.read_text() for log in logs), "three waiting deploys")
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
     outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out + err
-        outs.append(out + err)
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=600) == 0, log.read_text()
+        outs.append(log.read_text())
     building = [line for out in outs for line in out.splitlines() if "building env smoke-" in line]
     assert len(building) == 1, outs
-    assert sum("another deploy is building env smoke" in out for out in outs) >= 1, outs
     builds = ct(hosts, "ls", "--", envs_dir).stdout.split()
     assert len([b for b in builds if b.startswith("smoke-")]) == 1, builds
     assert imports(hosts, envs_dir) == 0

@@ -194,8 +194,10 @@ def torch_fleet(shared_fleet: RemoteFleet) -> Iterator[RemoteFleet]:
 
 def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet, tmp_path: Path) -> None:
     """Beside every step, from the first launch to the last run's end, a second process reads
-    `fab status --json` as fast as it answers and samples the truth around each reading
-    (tests/statuspoll.py): no reading may name a state the run was not in."""
+    `fab status --json` and samples the truth around each reading (tests/statuspoll.py), as fast
+    as it answers through each transition (a stop, a relaunch's start-up, a kill, the restart
+    policy's back-off, a stall, a run's end), every few seconds between them: no reading may name
+    a state the run was not in."""
     fleet, hosts, workdir = torch_fleet, torch_fleet.hosts, torch_fleet.workdir
     fleet.write(env="local-cpu", uv_cache=UV_CACHE, run=RUN)
     ok(fleet.fab("deploy", "train", "--no-warm", timeout=1200))
@@ -206,45 +208,67 @@ def test_resume_restart_and_notify_through_fab(torch_fleet: RemoteFleet, tmp_pat
         bad = statuspoll.violations(statuspoll.read_lines(out), STALL_WINDOW_S)
         assert not bad, f"{where}: {len(bad)} reading(s) untrue, the first: " + "\n".join(bad[:3])
 
-    with statuspoll.polling(fleet.config, hosts.ct_path(f"{workdir}/runs"), out):
-        lifecycle(fleet, truthful)
+    with statuspoll.polling(fleet.config, hosts.ct_path(f"{workdir}/runs"), out) as watch:
+        lifecycle(fleet, truthful, watch)
     truthful("the end")
     seen = {r["reading"]["state"] for r in statuspoll.read_lines(out)}
     assert {"starting", "training", "stopped", "failed", "finished"} <= seen, seen
 
 
-def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None]) -> None:
+def stepped_past(hosts: TestHost, run_dir: str, step: int) -> None:
+    """Wait until the run logged a step after ``step`` (a relaunch's start-up is over)."""
+    testkit.wait_for(
+        f"a step after {step}", lambda: last_step(hosts, run_dir) > step, timeout=300, interval=0.3
+    )
+
+
+def final_closely(fleet: RemoteFleet, run_dir: str, watch: statuspoll.Watch) -> dict[str, Any]:
+    """The run's end, read closely from its last few steps on."""
+    hosts = fleet.hosts
+    testkit.wait_for(
+        "the last steps", lambda: last_step(hosts, run_dir) >= STEPS - 3, timeout=300, interval=0.3
+    )
+    with watch.closely():
+        return wait_final(fleet)
+
+
+def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None], watch: statuspoll.Watch) -> None:
     hosts, workdir = fleet.hosts, fleet.workdir
     run_id = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
     run_dir = f"{workdir}/runs/{run_id}"
 
     # 1. `fab stop` (SIGTERM: the step finishes and is checkpointed) at some step k; resume at k+1.
     testkit.wait_for("step 8", lambda: last_step(hosts, run_dir) >= 8, timeout=300, interval=0.3)
-    ok(fleet.fab("stop"))
-    k = last_step(hosts, run_dir)
-    assert k < STEPS, "the run finished before it was stopped"
-    resumed = ok(fleet.fab("train", "--no-warm"))
-    m = RESUMED.search(resumed.stdout)
-    assert m and m.group(1) == run_id and int(m.group(2)) == k + 1, resumed.stdout
-    assert m.group(3).endswith(f"step-{k:08d}.pt")
+    with watch.closely():
+        ok(fleet.fab("stop"))
+        k = last_step(hosts, run_dir)
+        assert k < STEPS, "the run finished before it was stopped"
+        resumed = ok(fleet.fab("train", "--no-warm"))
+        m = RESUMED.search(resumed.stdout)
+        assert m and m.group(1) == run_id and int(m.group(2)) == k + 1, resumed.stdout
+        assert m.group(3).endswith(f"step-{k:08d}.pt")
+        stepped_past(hosts, run_dir, k)
 
     # 2. kill -9 (`fab stop --force`) after some more steps; resume after the last checkpoint.
     testkit.wait_for("more steps", lambda: last_step(hosts, run_dir) >= k + 8, timeout=300, interval=0.3)
     truthful("stop, resume")
-    killed = fleet.fab("stop", "--force")
-    assert killed.returncode == 0, killed.stderr
-    # The newest complete checkpoint file: written in the background, its event follows the
-    # file, so a kill can land between the two.
-    files = hosts.ct_path(f"{run_dir}/checkpoints").glob("step-*.pt")
-    saved = sorted(int(p.stem.split("-")[1]) for p in files)
-    assert saved and saved[-1] >= max(e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint")
-    assert last_step(hosts, run_dir) < STEPS, "the run finished before it was killed"
-    assert status(fleet)["state"] == "failed"
-    again = ok(fleet.fab("train", "--no-warm"))
-    m = RESUMED.search(again.stdout)
-    assert m and m.group(1) == run_id and int(m.group(2)) == saved[-1] + 1, again.stdout
+    with watch.closely():
+        killed = fleet.fab("stop", "--force")
+        assert killed.returncode == 0, killed.stderr
+        # The newest complete checkpoint file: written in the background, its event follows the
+        # file, so a kill can land between the two.
+        files = hosts.ct_path(f"{run_dir}/checkpoints").glob("step-*.pt")
+        saved = sorted(int(p.stem.split("-")[1]) for p in files)
+        checkpointed = max(e["step"] for e in events(hosts, run_dir) if e["event"] == "checkpoint")
+        assert saved and saved[-1] >= checkpointed
+        assert last_step(hosts, run_dir) < STEPS, "the run finished before it was killed"
+        assert status(fleet)["state"] == "failed"
+        again = ok(fleet.fab("train", "--no-warm"))
+        m = RESUMED.search(again.stdout)
+        assert m and m.group(1) == run_id and int(m.group(2)) == saved[-1] + 1, again.stdout
+        stepped_past(hosts, run_dir, saved[-1])
 
-    st = wait_final(fleet)
+    st = final_closely(fleet, run_dir, watch)
     assert (st["run_id"], st["state"], st["step"]) == (run_id, "finished", STEPS), st
     truthful("kill -9, resume, finish")
     steps = [h["step"] for h in st["history"]]
@@ -284,40 +308,47 @@ def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None]) -> None:
     }
     fleet.write(run={**RUN, "restart": {"max": 2, "backoff_s": 1}}, notify=notify, stall_window_s=6)
     try:
-        fresh = ok(fleet.fab("train", "--no-warm"))
-        assert "finished" in fresh.stdout and "started" in fresh.stdout, fresh.stdout
-        run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
-        assert run3 != run_id
-        run3_dir = f"{workdir}/runs/{run3}"
+        with watch.closely():  # a new run after the finished one: its start-up
+            fresh = ok(fleet.fab("train", "--no-warm"))
+            assert "finished" in fresh.stdout and "started" in fresh.stdout, fresh.stdout
+            run3 = hosts.pct_exec("readlink", f"{workdir}/runs/latest").stdout.strip()
+            assert run3 != run_id
+            run3_dir = f"{workdir}/runs/{run3}"
+            stepped_past(hosts, run3_dir, 0)
         testkit.wait_for("step 7", lambda: last_step(hosts, run3_dir) >= 7, timeout=300, interval=0.3)
         release3 = json.loads(ct_read(hosts, f"{run3_dir}/run.json"))["release"]
         redeployed = ok(fleet.fab("deploy"))  # while the run is live: it stays on its release
         assert f"the live run stays on release {release3}" in redeployed.stdout, redeployed.stdout
-        for pid in trainer_pids(run3_dir):
-            os.kill(pid, 9)
-        testkit.wait_for("attempt 2's steps", lambda: status(fleet)["attempt"] == 2, timeout=300, interval=1)
-        testkit.wait_for(
-            "a step of attempt 2",
-            lambda: (
-                len(trainer_pids(run3_dir)) == 1 and '"resume"' in ct_read(hosts, f"{run3_dir}/events.jsonl")
-            ),
-            timeout=300,
-            interval=0.5,
-        )
-        frozen = trainer_pids(run3_dir)
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with watch.closely():  # the kill, the policy's back-off, attempt 2's start-up, a stall
+            for pid in trainer_pids(run3_dir):
+                os.kill(pid, 9)
             testkit.wait_for(
-                "the stalled notification",
-                lambda: "stalled" in [r["body"]["state"] for r in received(hosts, out)],
-                timeout=120,
+                "attempt 2's steps", lambda: status(fleet)["attempt"] == 2, timeout=300, interval=1
             )
-            cmdlines = command_lines()
-        finally:
+            testkit.wait_for(
+                "a step of attempt 2",
+                lambda: (
+                    len(trainer_pids(run3_dir)) == 1
+                    and '"resume"' in ct_read(hosts, f"{run3_dir}/events.jsonl")
+                ),
+                timeout=300,
+                interval=0.5,
+            )
+            frozen, frozen_at = trainer_pids(run3_dir), last_step(hosts, run3_dir)
             for pid in frozen:
-                os.kill(pid, signal.SIGCONT)
-        st3 = wait_final(fleet)
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                testkit.wait_for(
+                    "the stalled notification",
+                    lambda: "stalled" in [r["body"]["state"] for r in received(hosts, out)],
+                    timeout=120,
+                )
+                cmdlines = command_lines()
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
+            stepped_past(hosts, run3_dir, frozen_at)  # the stall is over
+        st3 = final_closely(fleet, run3_dir, watch)
         truthful("a new run, its trainer killed, restarted by the policy, finished")
         assert (st3["run_id"], st3["state"], st3["step"]) == (run3, "finished", STEPS), st3
         assert (st3["attempt"], st3["last_cause"]) == (2, "exit 137"), st3
@@ -345,8 +376,9 @@ def lifecycle(fleet: RemoteFleet, truthful: Callable[[str], None]) -> None:
         assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
         bad = [*RUN["overrides"], "--model.kind=pretrained", "--model.path=/nonexistent/model"]
         fleet.write(run={**RUN, "overrides": bad, "restart": {"max": 2, "backoff_s": 1}})
-        ok(fleet.fab("train", "--no-warm", "--fresh"))
-        st4 = wait_final(fleet)
+        with watch.closely():  # a launch that fails in its start-up
+            ok(fleet.fab("train", "--no-warm", "--fresh"))
+            st4 = wait_final(fleet)
         assert (st4["state"], st4["process_exit_code"], st4["attempt"]) == ("failed", 2, 1), st4
         assert st4["last_cause"] == "config-error (not retryable)", st4
         testkit.wait_for(

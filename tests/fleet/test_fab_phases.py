@@ -78,11 +78,13 @@ def _stop(config: Path, env: dict[str, str]) -> tuple[float, dict[str, Any]]:
 def test_status_shows_each_long_phase_with_a_fraction_and_an_eta(
     local_tmux: LocalTmux, tmp_path: Path, training_cache: Path
 ) -> None:
-    """The smol default with its data phase (conversion once per cache, regeneration), shortened."""
+    """The smol default with its data phase (conversion once per cache, regeneration), shortened;
+    its eval on the held-out split alone, no trees (the default's both sets and trees through every
+    phase: tests/e2e/test_fresh_machine.py)."""
     overrides = [
         "--data.regen_prompts=4", "--data.regen_max_new_tokens=24", "--data.regen_batch_size=2",
         "--data.eval_prompts=2", "--eval.num_prompts=1", "--eval.max_new_tokens=16",
-        "--train.steps=6", "--train.log_every=1",
+        "--eval.sets=held_out", "--eval.tree_budgets=", "--train.steps=6", "--train.log_every=1",
     ]  # fmt: skip
     config = _fleet(tmp_path, training_cache, "smol-cpu", overrides)
     env = {"TMUX_TMPDIR": str(local_tmux.socket_dir)}

@@ -14,6 +14,9 @@ from training.data.buckets import parse_bucket_table
 from training.events import read_events, validate_event
 
 REPO = Path(__file__).resolve().parents[3]
+# The tiny configs evaluate the held-out split alone without trees (their default); these two runs
+# measure what smol-cpu does by default: both eval sets and DDTree's budgets, end to end.
+SETS_AND_TREES = ["--eval.sets=held_out,general", "--eval.tree_budgets=16,64,256"]
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +35,7 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
             "--run-dir",
             str(run_dir),
             *ONE_THREAD,
+            *SETS_AND_TREES,
         ],
         cwd=REPO,
         env=env,
@@ -95,8 +99,10 @@ def test_tiny_cpu_run_halves_its_loss_and_eval_reports_tau(tiny_cache: Path, tmp
     cmd = [sys.executable, "-m", "training", "export", "--run-dir", str(run_dir), "--out", str(export)]
     exported = subprocess.run([*cmd, "--dtype", "float32"], cwd=REPO, env=env, capture_output=True, text=True)
     assert exported.returncode == 0 and f"-> {export}" in exported.stdout, exported.stderr[-3000:]
+    # (the held-out split: its figure is the one compared)
+    export_eval = ["eval", "--run-dir", str(run_dir), "--export", str(export), "--eval.sets=held_out"]
     from_export = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--run-dir", str(run_dir), "--export", str(export)],
+        [sys.executable, "-m", "training", *export_eval],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -131,6 +137,7 @@ def test_tiny_qwen3_5_run_from_the_multimodal_layout_trains_and_evaluates(
         "--train.steps=20",
         "--checkpoint.every=0",
         *ONE_THREAD,
+        *SETS_AND_TREES,
     ]
     overrides += ["--eval.num_prompts=2", "--eval.max_new_tokens=16"]
     train = subprocess.run(
