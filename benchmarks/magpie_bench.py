@@ -521,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--shards", type=int, default=2, help="Magpie's pool in this many processes")
             p.add_argument("--base-shards", type=int, default=1, help="today's pool in this many processes")
             p.add_argument("--parallel", type=int, default=1, help="arms trained and evaluated at once")
+            p.add_argument(
+                "--pools-for",
+                default="",
+                help="ARM,...: their pools regenerated now too, the arms not trained (a later run's)",
+            )
     for p in sub.choices.values():
         if p.prog.endswith(("rate", "all", "pool")):
             p.add_argument("--set", action="append", default=[], help="an override of every run: --set=--k=v")

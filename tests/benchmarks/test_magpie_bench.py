@@ -108,3 +108,13 @@ def test_the_table_has_a_row_per_arm_failed_ones_too() -> None:
     assert lines[2] == "| mix25 | 75 + 25 | - | 95 | 61 | 2.500 | 1.900 | 3.100 | 3.600 |"
     assert lines[3] == "| gamma12 | 100 + 0 | --drafter.gamma=12 | 98 | 60 | 2.400 | - | 3.000 | - |"
     assert lines[4].startswith("| magpie | failed: RegenError: no server")
+
+
+def test_pools_for_an_unknown_arm_is_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`all --pools-for` as benchmarks/gpu/quality.sh passes it: parsed, and an arm it does not
+    know refused before any pool is regenerated."""
+    import pytest
+
+    with pytest.raises(SystemExit, match=r"--pools-for: unknown arm 'mix99'"):
+        bench().main(["all", "--out", str(tmp_path), "--arms", "base", "--pools-for", "mix99"])
+    assert not list(tmp_path.glob("pool-*"))
