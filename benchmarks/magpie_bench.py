@@ -154,8 +154,8 @@ def pool_plan(arms: list[str], size: int, shards: int, base_shards: int = 1) -> 
         today = [f"--data.regen_prompts={need_base}", f"--data.regen_sources={TODAY}"]
         if base_shards <= 1:
             plan["base"] = today
-        for k in range(base_shards if base_shards > 1 else 0):
-            plan[f"base-{k}"] = [f"--slice={k}/{base_shards}", *today]
+        else:
+            plan.update({f"base-{k}": [f"--slice={k}/{base_shards}", *today] for k in range(base_shards)})
     if need_magpie:
         each = -(-need_magpie // shards)
         for k in range(shards):
@@ -211,11 +211,10 @@ def cmd_pool(args: argparse.Namespace) -> None:
 
 def regenerate_pools(args: argparse.Namespace, plan: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
     """Every pool at once, one process each (a pool done before is read back, not redone)."""
-    q = quality_bench()
-    q.fleet_config([])  # the config is valid before anything starts
     from training.model.target import model_source
 
-    model_source(q.fleet_config([]))  # the GGUF converted once, not raced by the pools
+    # the config is valid before anything starts, and the GGUF converted once, not raced by the pools
+    model_source(quality_bench().fleet_config([]))
     procs = {}
     for name, overrides in plan.items():
         if (args.out / f"pool-{name}.json").is_file():

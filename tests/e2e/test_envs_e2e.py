@@ -11,21 +11,18 @@ import dataclasses
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import testkit
 
-from fleet import envs
+from fleet import envs, remote
 from fleet.errors import EnvError
 from fleet.inventory import load_inventory
 from fleet.target import open_target
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from testkit import RemoteFleet, TestHost
 
 pytestmark = pytest.mark.hosts
@@ -44,14 +41,6 @@ def imports(hosts: TestHost, envs_dir: str) -> int:
     probe = f"{envs_dir}/smoke/current/fleet-env/env_probe.py"
     python = f"{envs_dir}/smoke/current/bin/python"
     return ct(hosts, python, "-I", probe, "verify", "--import", "six", "--import", "idna").returncode
-
-
-def wait_until(ready: Callable[[], bool], what: str, limit: float = 300) -> None:
-    """Poll ``ready`` until it holds; a hang guard, not a timed assertion."""
-    deadline = time.monotonic() + limit
-    while not ready():
-        assert time.monotonic() < deadline, f"{what}: not within {limit:.0f} s"
-        time.sleep(0.2)
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -155,14 +144,15 @@ def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet, tm
     envs_dir = f"{fleet.workdir}/envs"
     lock = f"{envs_dir}/.build-smoke.lock"
     fleet.write(env="smoke")
-    script = (testkit.REPO / "fleet/remote/env_lock.sh").read_text()
     holder = subprocess.Popen(
-        [hosts.pct, "exec", str(hosts.ct_id), "--", "sh", "-c", script, "env_lock.sh", lock, "test"],
+        [hosts.pct, "exec", str(hosts.ct_id), "--", *remote.sh("env_lock.sh", lock, "test")],
         stdin=subprocess.PIPE,
     )
     logs = [tmp_path / f"deploy-{i}.log" for i in range(3)]
     try:
-        wait_until(lambda: ct(hosts, "cat", "--", lock).stdout.strip() == "test", "the test's lock")
+        testkit.wait_for(
+            "the test's lock", lambda: ct(hosts, "cat", "--", lock).stdout.strip() == "test", timeout=300
+        )
         procs = []
         for log in logs:
             with log.open("w") as out:
@@ -170,7 +160,9 @@ def test_parallel_first_deploys_build_the_env_once(remote_fleet: RemoteFleet, tm
                     testkit.fab_popen("deploy", config=fleet.config, stdout=out, stderr=subprocess.STDOUT)
                 )
         waiting = "another deploy is building env smoke"
-        wait_until(lambda: all(waiting in log.read_text() for log in logs), "three waiting deploys")
+        testkit.wait_for(
+            "three waiting deploys", lambda: all(waiting in log.read_text() for log in logs), timeout=300
+        )
     finally:
         assert holder.stdin is not None
         holder.stdin.close()
