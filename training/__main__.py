@@ -341,4 +341,6 @@ def raise_usage(message: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.process_exit import exit_process
+
+    sys.exit(exit_process(main()))

@@ -120,4 +120,6 @@ def launch(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(launch(sys.argv[1:]))
+    from training.process_exit import exit_process
+
+    sys.exit(exit_process(launch(sys.argv[1:])))
