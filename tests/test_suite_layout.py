@@ -87,6 +87,7 @@ def test_the_longest_modules_named_for_the_schedule_exist_and_go_first() -> None
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
         cwd=testkit.REPO,
+        env={**os.environ, "PYTEST_ADDOPTS": ""},  # the caller's -v would change the listing's form
         capture_output=True,
         text=True,
         timeout=600,
