@@ -33,10 +33,12 @@ def other_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
 
 
-def exit_process(code: int) -> int:
-    """End the process with ``code`` after its ``atexit`` functions and with its files flushed,
-    skipping the interpreter's teardown; returns ``code`` (for ``sys.exit``) when a non-daemon
-    thread is still alive, where only the normal exit is safe."""
+def exit_process(code: int | None) -> int | None:
+    """End the process with ``code`` (None: 0, as ``sys.exit``) after its ``atexit`` functions and
+    with its files flushed, skipping the interpreter's teardown; returns ``code`` (for
+    ``sys.exit``) when a non-daemon thread is still alive, where only the normal exit is safe."""
+    if not isinstance(code, int | None):  # sys.exit prints anything else and exits 1: let it
+        return code
     if other_threads() or threading.current_thread() is not threading.main_thread():
         return code
     atexit._run_exitfuncs()
@@ -57,4 +59,4 @@ def exit_process(code: int) -> int:
                     obj.flush()
             except (OSError, ValueError):
                 pass
-    os._exit(code)
+    os._exit(code or 0)

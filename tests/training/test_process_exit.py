@@ -92,3 +92,15 @@ def test_the_trainers_command_line_ends_through_it(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_none_is_exit_0_as_sys_exit_has_it(tmp_path: Path) -> None:
+    done = child(
+        """
+        from training.process_exit import exit_process
+        print("bye")
+        sys.exit(exit_process(None))
+        """,
+        tmp_path,
+    )
+    assert (done.returncode, done.stdout) == (0, "bye\n"), done.stderr
