@@ -33,6 +33,14 @@ def other_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
 
 
+def _flush(stream: object) -> None:
+    try:
+        if stream is not None and not getattr(stream, "closed", False):
+            stream.flush()  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        pass  # a closed or broken pipe: the normal exit would not deliver it either
+
+
 def exit_process(code: int | None) -> int | None:
     """End the process with ``code`` (None: 0, as ``sys.exit``) after its ``atexit`` functions and
     with its files flushed, skipping the interpreter's teardown; returns ``code`` (for
@@ -44,19 +52,9 @@ def exit_process(code: int | None) -> int | None:
     atexit._run_exitfuncs()
     if other_threads():  # an atexit function started one: let the interpreter see it through
         return code
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed or broken pipe: the normal exit would not deliver it either
-    for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance reads __class__, which some lazy module proxies
-        # answer with a deprecation warning (torch.distributed's) printed at exit
-        if issubclass(type(obj), WRITERS):
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except (OSError, ValueError):
-                pass
+    # type(), not isinstance(): isinstance reads __class__, which some lazy module proxies answer
+    # with a deprecation warning (torch.distributed's) printed at exit
+    files = [obj for obj in gc.get_objects() if issubclass(type(obj), WRITERS)]
+    for stream in (sys.stdout, sys.stderr, *files):  # the std streams may be wrappers of their own
+        _flush(stream)
     os._exit(code or 0)
